@@ -1,0 +1,160 @@
+"""Structured configuration: the schema every Hydra config and recipe is checked against.
+
+The dataclasses below are registered in Hydra's ConfigStore as ``schema``; ``conf/config.yaml``
+lists it first in its defaults, so a misspelled key or a value of the wrong type anywhere in a
+config group, a recipe or on the command line is a composition error, not a silent no-op.
+
+Recipes live in ``recipes/`` (one YAML file per recipe) and are registered as the config group
+``recipe``, so ``recipe=NAME`` selects one. They follow Hydra's "experiment" pattern: a recipe is
+a global package that overrides the group defaults and sets values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = PROJECT_ROOT / "conf"
+RECIPES_DIR = PROJECT_ROOT / "recipes"
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 frequency-dependent RoPE scaling (long-context extension)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    vocab_size: int = 512
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: every rank left over after dp_replicate, tp and pp
+    tp: int = 1
+    pp: int = 1
+    # 0 = DDP, 1 = + optimizer state sharded, 2 = + gradients (SHARD_GRAD_OP), 3 = + parameters
+    zero_stage: int = 3
+    # Hugging Face Accelerate's names, for users who arrive with them. When set, it decides
+    # zero_stage: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2.
+    fsdp_sharding_strategy: Optional[str] = None
+    fsdp_wrap: str = "block"  # block: one FSDP unit per transformer block; size: by fsdp_min_params
+    fsdp_min_params: int = 100_000_000
+    fsdp_prefetch: int = 0  # explicit forward/backward prefetch of N blocks; 0 = FSDP's default
+    cpu_offload: bool = False
+    pp_schedule: str = "1F1B"
+    pp_microbatches: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 40
+    global_batch_size: int = 16  # sequences per optimizer step, all data-parallel ranks together
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    seq_len: int = 64
+    seed: int = 0
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    device: str = "auto"  # auto | cpu | cuda
+    param_dtype: str = "float32"  # compute dtype of parameters: float32 | bfloat16 | float16
+    reduce_dtype: str = "float32"  # dtype of gradient reduction across data-parallel ranks
+    dist_timeout_s: int = 300  # a collective that waits longer fails instead of hanging
+    save_model: bool = False  # write run_dir/model.safetensors (full weights) at the end
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: str = "auto"  # auto | fused | foreach | for_loop
+    schedule: str = "cosine"  # cosine | wsd | constant
+    warmup_steps: int = 5
+    min_lr_ratio: float = 0.1  # final lr / peak lr for cosine and wsd
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib: the Python standard library's source; file: a prepared token file
+    path: Optional[str] = None  # token file written by tools/prepare_data.py (source=file)
+    tokenizer: str = "byte"  # byte, or a path to a Hugging Face tokenizer.json
+    max_bytes: int = 8_000_000  # stdlib corpus: stop after this much text
+    cache_dir: str = "~/.cache/parallel3d"
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "parallel3d"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    mode: Optional[str] = None  # online | offline | disabled; None: offline unless an API key is set
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run_dir: str = "${hydra:runtime.output_dir}"
+    recipe: Optional[str] = None  # the recipe's name, set by the recipe itself
+
+
+def register_configs() -> None:
+    """Put the schema and every recipe into Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    """Compose the config as ``python -m parallel3d.train OVERRIDES`` would, outside a run.
+
+    Used by the launcher (validate once before starting torchrun) and by tests.
+    Raises Hydra's and OmegaConf's own errors for unknown keys or wrong types.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))

@@ -1,0 +1,85 @@
+"""Token files: a flat array of token ids on disk, memory-mapped for training.
+
+``NAME.bin`` holds the tokens (uint16 when the vocabulary fits, else uint32) and ``NAME.json``
+beside it says how to read them. Documents are concatenated, each followed by the tokenizer's
+end-of-text token. Files are written to a temporary name and renamed, so a reader never sees
+half a file even when several ranks prepare the same corpus at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+
+def write_token_file(documents: Iterable[str], tokenizer, output: str | Path, progress=None) -> Path:
+    output = Path(output).expanduser()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+    count = 0
+    with open(tmp, "wb") as f:
+        for text in documents:
+            ids = np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], dtype=dtype)
+            f.write(ids.tobytes())
+            count += len(ids)
+            if progress is not None:
+                progress(count)
+    meta = {"dtype": np.dtype(dtype).name, "num_tokens": count, "tokenizer": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size}
+    meta_tmp = tmp.with_suffix(".json.tmp")
+    meta_tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, output)
+    os.replace(meta_tmp, output.with_suffix(".json"))  # written last: its presence means complete
+    return output
+
+
+class TokenFile:
+    """Read-only view of a token file; ``tokens[a:b]`` reads only those bytes from disk."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path).expanduser()
+        meta_path = path.with_suffix(".json")
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{meta_path} is missing: was {path} written by tools/prepare_data.py?")
+        self.meta = json.loads(meta_path.read_text())
+        self.path = path
+        self.tokens = np.memmap(path, dtype=self.meta["dtype"], mode="r", shape=(self.meta["num_tokens"],))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def text_files(root: str | Path, pattern: str = "**/*", max_bytes: int | None = None) -> Iterable[str]:
+    """Texts of the files under root matching pattern, in sorted order, up to max_bytes in all."""
+    total = 0
+    for path in sorted(Path(root).expanduser().glob(pattern)):
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary or unreadable files are not text to train on
+        yield text
+        total += len(text.encode("utf-8"))
+        if max_bytes is not None and total >= max_bytes:
+            return
+
+
+def stdlib_token_file(tokenizer, cache_dir: str | Path, max_bytes: int) -> TokenFile:
+    """The default corpus: this Python's standard library sources, tokenized once and cached."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    tag = f"stdlib-py{sysconfig.get_python_version()}-{max_bytes}-{_slug(tokenizer.name)}"
+    path = Path(cache_dir).expanduser() / f"{tag}.bin"
+    if not path.with_suffix(".json").is_file():
+        write_token_file(text_files(root, "*.py", max_bytes), tokenizer, path)
+    return TokenFile(path)
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)[-40:]

@@ -1,0 +1,48 @@
+"""Tokenizers: raw bytes (needs nothing) or a local Hugging Face ``tokenizer.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, and 256 as the end-of-document token."""
+
+    vocab_size = 257
+    eos_id = 256
+    name = "byte"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` read by the ``tokenizers`` library; nothing is downloaded."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        self.name = str(path)
+        self._tok = Tokenizer.from_file(str(Path(path).expanduser()))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._find_eos()
+
+    def _find_eos(self) -> int:
+        for token in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]"):
+            token_id = self._tok.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        raise ValueError(f"{self.name}: no end-of-text token found (looked for <|end_of_text|>, </s>, ...)")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)

@@ -1,0 +1,80 @@
+"""Parallel degrees and the one DeviceMesh they describe.
+
+The world is laid out as (pp, dp_replicate, dp_shard, tp), outermost first: tp ranks are
+neighbours (same node, fastest links), pipeline stages are furthest apart. Dimensions of size 1
+are left out of the mesh entirely, so a layout pays only for the process groups it uses.
+
+    8 ranks, pp=2 dp_shard=2 tp=2:          rank = ((pp * dp_replicate + r) * dp_shard + s) * tp + t
+        pp0: dp0 [0 1]  dp1 [2 3]           (tp pairs in brackets)
+        pp1: dp0 [4 5]  dp1 [6 7]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+
+    @classmethod
+    def from_config(cls, parallel) -> "ParallelDims":
+        """From a validated ParallelConfig (dp_shard already resolved from -1)."""
+        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_DIMS}
+
+
+@dataclass
+class Meshes:
+    """The world mesh and the views of it that the rest of the program needs.
+
+    A view is None when its dimension has size 1: nothing to parallelize there.
+    """
+
+    world: Optional[DeviceMesh]
+    dp: Optional[DeviceMesh] = None  # all data-parallel ranks, flattened: data slicing, loss averaging, DDP, ZeRO-1
+    fsdp: Optional[DeviceMesh] = None  # what fully_shard gets: dp_shard (1D) or (dp_replicate, dp_shard) for HSDP
+    tp: Optional[DeviceMesh] = None
+    pp: Optional[DeviceMesh] = None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.get_local_rank() if self.dp is not None else 0
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
+    """One DeviceMesh over all ranks with the dimensions of size > 1, plus its named views."""
+    active = [(name, size) for name, size in dims.sizes().items() if size > 1]
+    if not active:
+        return Meshes(world=None)
+    names = tuple(name for name, _ in active)
+    world = init_device_mesh(device_type, tuple(size for _, size in active), mesh_dim_names=names)
+    dp_names = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
+    meshes = Meshes(world=world)
+    if dp_names:
+        meshes.fsdp = world[dp_names]
+        meshes.dp = meshes.fsdp._flatten("dp") if len(dp_names) > 1 else meshes.fsdp
+    if "tp" in names:
+        meshes.tp = world["tp"]
+    if "pp" in names:
+        meshes.pp = world["pp"]
+    return meshes

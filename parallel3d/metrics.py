@@ -1,0 +1,112 @@
+"""What a run reports: metrics.jsonl (the source of truth), the console on rank 0, and wandb.
+
+MFU = achieved model FLOPs / peak FLOPs of the devices. Peaks are dense (no sparsity) and come
+from the vendors' datasheets; a device missing from the table, and every CPU, reports ``null``
+rather than a made-up figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+# Dense peak FLOP/s per device by compute dtype (float32 trains on TF32 tensor cores).
+PEAK_FLOPS = {
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494.7e12},
+    "H100 PCIe": {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494.7e12},
+    "B200": {"bfloat16": 2250e12, "float16": 2250e12, "float32": 1100e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+    "L40S": {"bfloat16": 362e12, "float16": 362e12, "float32": 183e12},
+    "A10G": {"bfloat16": 70e12, "float16": 70e12, "float32": 35e12},
+    "MI300X": {"bfloat16": 1307e12, "float16": 1307e12, "float32": 653.7e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: str) -> float | None:
+    """Peak FLOP/s of one device, or None when unknown (always None on CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_FLOPS.items():  # ordered so "H100 PCIe" matches before "H100"
+        if key in name:
+            return peaks.get(dtype)
+    return None
+
+
+def max_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: allocator peak on a GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "param_bytes": sum(_local_bytes(p) for p in params),
+        "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optim_state_bytes": sum(_local_bytes(v) for v in state),
+    }
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step; rank 0 only (other ranks get a no-op logger)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, wandb_run=None):
+        self.enabled, self.total_steps, self.wandb_run = enabled, total_steps, wandb_run
+        self.path = run_dir / "metrics.jsonl"
+        self.start = time.perf_counter()
+        self._file = open(self.path, "a") if enabled else None
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in row.items() if v is not None}, step=row["step"])
+        step = row["step"]
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / step * (self.total_steps - step)
+        mfu = f" | mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else ""
+        print(f"[{step:>{len(str(self.total_steps))}}/{self.total_steps}] loss {row['loss']:.4f} | "
+              f"grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | {row['tokens_per_sec']:,.0f} tok/s{mfu} | "
+              f"mem {row['max_memory_bytes'] / 2**30:.2f} GiB | eta {_duration(eta)}", flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def start_wandb(wandb_cfg, run_dir: Path, config: dict):
+    """A wandb run on rank 0, offline unless an API key (or an explicit mode) says otherwise."""
+    import wandb  # imported only when enabled: it is slow to import and absent on some machines
+
+    mode = wandb_cfg.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    return wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
+                      group=wandb_cfg.group, tags=list(wandb_cfg.tags), mode=mode, dir=str(run_dir),
+                      config=config)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -1,0 +1,164 @@
+"""A Llama 3 style decoder: RMSNorm, RoPE (with Llama 3.1 scaling), grouped-query attention, SwiGLU.
+
+Built on the meta device, parallelized, then materialized with ``init_weights``. Blocks live in an
+``nn.ModuleDict`` keyed by layer index, so a parameter is named ``layers.7.attention.wq.weight``
+whatever the layout; pipeline stages that drop blocks keep the names of the ones they hold.
+
+Initial weights depend only on (seed, parameter name), never on how the parameter is sharded:
+each parameter draws its full value from a generator seeded with its own name, and every rank
+keeps the part it owns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from parallel3d.config import ModelConfig, RopeScaling
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Rotation frequency of each channel pair; Llama 3.1 slows the low frequencies down."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is None:
+        return freqs.float()
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / scaling.factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive channel pairs of x (b h s d) by the angles of its positions (s d/2)."""
+    pairs = rearrange(x.float(), "... (d two) -> ... d two", two=2)
+    x1, x2 = pairs.unbind(-1)
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rearrange(rotated, "... d two -> ... (d two)").type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the tensors, not the config: under tensor parallelism a rank
+        # holds only its share of the heads.
+        q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: recomputed by init_weights, never read from a checkpoint.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq_len = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Materialized (``to_empty``) parameters get their layout-independent initial values."""
+        angles = torch.outer(
+            torch.arange(self.cfg.max_seq_len, dtype=torch.float32),
+            rope_frequencies(self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta, self.cfg.rope_scaling),
+        )
+        device = self.tok_embeddings.weight.device
+        self.rope_cos = angles.cos().to(device)
+        self.rope_sin = angles.sin().to(device)
+        residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if "norm" in name:
+                std = None
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                std = residual_std  # GPT-2 scaling: keeps the residual stream's variance flat in depth
+            else:
+                std = self.cfg.init_std
+            _init_param(param, name, seed, std)
+
+
+def _init_param(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
+    if std is None:
+        full = torch.ones(param.shape, dtype=param.dtype, device=param.device)
+    else:
+        digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+        generator = torch.Generator(device=param.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.device).normal_(0, std, generator=generator)
+    if isinstance(param, DTensor):
+        # Every rank drew the same full tensor: keep the local part, no communication needed.
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def num_params(model: nn.Module) -> int:
+    """Parameters of the full model (tied weights once), whatever their sharding."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per matmul weight, plus attention scores (PaLM, appendix B).
+
+    The embedding lookup does no matmul, so it counts only when tied to the output projection.
+    """
+    head_dim = cfg.dim // cfg.n_heads
+    attention = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * head_dim + cfg.n_heads * head_dim * cfg.dim
+    block = attention + 3 * cfg.dim * cfg.ffn_dim
+    matmul_params = cfg.n_layers * block + cfg.vocab_size * cfg.dim
+    return 6 * matmul_params + 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len

@@ -1,0 +1,66 @@
+"""Optimizer, learning-rate schedules and global gradient-norm clipping."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parallel3d.mesh import Meshes
+from parallel3d.parallel.zero1 import shard_optimizer_state
+
+
+def build_optimizer(model: nn.Module, optim, meshes: Meshes, zero_stage: int) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters; with ZeRO-1, over this rank's rows of them."""
+
+    def make(params):
+        impl = {} if optim.implementation == "auto" else {
+            "fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}
+        }[optim.implementation]
+        return torch.optim.AdamW(params, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                                 weight_decay=optim.weight_decay, **impl)
+
+    if zero_stage == 1 and meshes.dp is not None:
+        return shard_optimizer_state(model, meshes.dp, make)
+    return make([p for p in model.parameters() if p.requires_grad])
+
+
+def lr_factor(step: int, *, steps: int, warmup: int, schedule: str, min_ratio: float, decay_fraction: float) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based, as LambdaLR counts)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        progress = (step - warmup) / max(steps - warmup, 1)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    decay_steps = max(int(round(decay_fraction * steps)), 1)  # wsd: warmup, stable, linear decay
+    decay_start = steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    return 1 - (1 - min_ratio) * min((step - decay_start + 1) / decay_steps, 1.0)
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    factor = partial(lr_factor, steps=steps, warmup=optim.warmup_steps, schedule=optim.schedule,
+                     min_ratio=optim.min_lr_ratio, decay_fraction=optim.decay_fraction)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """Clip to a global norm over every shard of every gradient; returns the norm before clipping.
+
+    Sharded (DTensor) gradients give a partial norm per rank; ``full_tensor()`` reduces it over
+    the mesh, so each rank clips by the same, global, value. ``max_norm=0`` only measures.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm

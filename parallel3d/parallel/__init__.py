@@ -1,0 +1,3 @@
+from parallel3d.parallel.compose import parallelize
+
+__all__ = ["parallelize"]

@@ -1,0 +1,35 @@
+"""parallelize(): the one function that states how the parallelisms compose on a model.
+
+Order, applied to the model while it is still on the meta device:
+    tensor parallel -> activation checkpointing -> torch.compile -> data parallel
+Data parallelism goes last because FSDP must see the final (tensor-parallel, checkpointed,
+compiled) blocks it shards. Tensor parallelism, activation checkpointing, compile and pipeline
+stages join this order in the 3D release; today only the data-parallel step exists, and
+validation refuses tp > 1 and pp > 1.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from parallel3d.mesh import Meshes
+from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
+from parallel3d.validate import DTYPES
+
+
+def data_parallel_plan(parallel, train) -> DataParallelPlan:
+    return DataParallelPlan(
+        zero_stage=parallel.zero_stage,
+        param_dtype=DTYPES[train.param_dtype],
+        reduce_dtype=DTYPES[train.reduce_dtype],
+        wrap=parallel.fsdp_wrap,
+        min_params=parallel.fsdp_min_params,
+        prefetch=parallel.fsdp_prefetch,
+        cpu_offload=parallel.cpu_offload,
+    )
+
+
+def parallelize(model: nn.Module, meshes: Meshes, parallel, train) -> None:
+    """Apply every configured parallelism to ``model`` in place, in the order above."""
+    if meshes.dp is not None:
+        apply_data_parallel(model, meshes.dp, meshes.fsdp, data_parallel_plan(parallel, train))

@@ -1,0 +1,86 @@
+"""Data parallelism: ZeRO stages mapped onto torch's composable DDP (``replicate``) and FSDP2.
+
+    zero_stage  params       grads        optimizer state   torch API
+    0 (DDP)     replicated   all-reduced  replicated        replicate
+    1           replicated   all-reduced  sharded           replicate + ShardedOptimizerState
+    2           sharded*     sharded      sharded           fully_shard(reshard_after_forward=False)
+    3 (FSDP)    sharded      sharded      sharded           fully_shard(reshard_after_forward=True)
+
+    * gathered once per step: kept unsharded from forward through backward.
+
+Stages 0 and 1 replicate over all data-parallel ranks (dp_replicate x dp_shard, flattened).
+Stages 2 and 3 shard over dp_shard and, when dp_replicate > 1, replicate the shards across
+dp_replicate groups (HSDP: HYBRID_SHARD_ZERO2 / HYBRID_SHARD) through FSDP2's 2D mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+@dataclass(frozen=True)
+class DataParallelPlan:
+    zero_stage: int
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    wrap: str = "block"  # block | size
+    min_params: int = 100_000_000
+    prefetch: int = 0
+    cpu_offload: bool = False
+
+
+def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, fsdp_mesh: DeviceMesh | None,
+                        plan: DataParallelPlan) -> None:
+    """Wrap ``model`` (still on the meta device) in place for data-parallel training."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
+    if plan.zero_stage <= 1:
+        replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+        return
+    shard = dict(mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=plan.zero_stage == 3,
+                 offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy())
+    blocks = list(model.layers.values())
+    if plan.wrap == "block":
+        for block in blocks:
+            fully_shard(block, **shard)
+    else:
+        _shard_by_size(model, plan.min_params, shard)
+    fully_shard(model, **shard)
+    if plan.prefetch:
+        _set_prefetch(blocks, plan.prefetch)
+
+
+def _shard_by_size(root: nn.Module, min_params: int, shard: dict) -> None:
+    """Give a submodule its own FSDP unit once it holds ``min_params`` not yet claimed below it."""
+
+    def visit(module: nn.Module) -> int:
+        unclaimed = sum(visit(child) for child in module.children())
+        unclaimed += sum(p.numel() for p in module.parameters(recurse=False))
+        if module is not root and unclaimed >= min_params:
+            fully_shard(module, **shard)
+            return 0
+        return unclaimed
+
+    visit(root)
+
+
+def _set_prefetch(blocks: list[nn.Module], n: int) -> None:
+    """Start the all-gather of the next n blocks while this one computes (forward and backward)."""
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + n])
+        block.set_modules_to_backward_prefetch(blocks[max(i - n, 0) : i][::-1])
+
+
+def set_gradient_sync(model: nn.Module, sync: bool, zero_stage: int) -> None:
+    """Skip the gradient all-reduce on all but the last micro batch of a DDP/ZeRO-1 step.
+
+    FSDP (stages 2 and 3) reduce-scatters every micro batch instead: accumulating unsharded
+    gradients would cost the memory those stages exist to save.
+    """
+    if zero_stage <= 1 and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)

@@ -1,0 +1,207 @@
+"""Hydra entry point and the training loop.
+
+    python -m parallel3d.train [recipe=NAME] [key=value ...]              # one process
+    torchrun --nproc-per-node N -m parallel3d.train [recipe=NAME] ...     # N ranks
+    parallel3d-run --nproc-per-node N [recipe=NAME] ...                   # validates once, then torchrun
+
+Data flow: compose -> validate (before any process group) -> mesh -> model on meta ->
+parallelize -> materialize + deterministic init -> data on the dp view -> loop -> metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from parallel3d.config import CONF_DIR, Config, register_configs
+from parallel3d.data import BatchSpec, StepSampler, open_corpus
+from parallel3d.mesh import ParallelDims, build_mesh
+from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
+from parallel3d.models import Transformer, flops_per_token, num_params
+from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from parallel3d.parallel import parallelize
+from parallel3d.parallel.data import set_gradient_sync
+from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _rank0_dir(path: str) -> str:
+    """Hydra's output dir on rank 0; a scratch dir on other ranks (rank 0 shares its run_dir)."""
+    return path if rank() == 0 else os.path.join(tempfile.gettempdir(), f"parallel3d-rank{rank()}")
+
+
+def init_distributed(train, world_size: int) -> torch.device:
+    if resolve_device(train.device) == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=train.dist_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def shared_run_dir(run_dir: str) -> Path:
+    """Every rank writes under rank 0's run_dir (ranks may disagree on Hydra's timestamp)."""
+    if dist.is_initialized():
+        box = [run_dir]
+        dist.broadcast_object_list(box, src=0)
+        run_dir = box[0]
+    path = Path(run_dir).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def train(cfg: DictConfig) -> Path:
+    """Train as ``cfg`` says; returns the run directory. Raises ConfigError before any process group."""
+    world_size = world_size_from_env()
+    check(cfg, world_size)
+    device = init_distributed(cfg.train, world_size)
+    is_rank0 = rank() == 0
+    run_dir = shared_run_dir(str(cfg.run_dir))
+    cfg.run_dir = str(run_dir)
+    if is_rank0:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    c: Config = OmegaConf.to_object(cfg)
+    t = c.train
+
+    dims = ParallelDims.from_config(c.parallel)
+    meshes = build_mesh(dims, device.type)
+    with torch.device("meta"):
+        model = Transformer(c.model)
+    parallelize(model, meshes, c.parallel, t)
+    model.to_empty(device=device)
+    model.init_weights(t.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(model, c.optim, meshes, c.parallel.zero_stage)
+    scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
+
+    if is_rank0:  # rank 0 tokenizes the default corpus once; the others then read its cache
+        corpus = open_corpus(c.data)
+    if dist.is_initialized():
+        dist.barrier()
+    if not is_rank0:
+        corpus = open_corpus(c.data)
+    spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
+    sampler = StepSampler(corpus.tokens, spec, t.seed)
+    tokens_per_rank = spec.local_batch_size * t.seq_len  # loss is a mean over the global batch's tokens
+    global_tokens = t.global_batch_size * t.seq_len
+
+    # With data parallelism the FSDP/replicate mixed-precision policy casts; alone, autocast does.
+    autocast = (torch.autocast(device.type, dtype=DTYPES[t.param_dtype])
+                if meshes.dp is None and t.param_dtype != "float32" else contextlib.nullcontext())
+    flops = flops_per_token(c.model, t.seq_len)
+    peak = peak_flops(device, t.param_dtype)
+    wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg)) if (
+        is_rank0 and c.logging.wandb.enabled) else None
+    logger = MetricsLogger(run_dir, t.steps, is_rank0, wandb_run)
+    if is_rank0:
+        print(f"parallel3d | {c.recipe or 'custom'} | model {c.model.name} {num_params(model) / 1e6:.2f}M params | "
+              f"{world_size} ranks {dims.sizes()} zero_stage {c.parallel.zero_stage} | {device.type} | "
+              f"run_dir {run_dir}", flush=True)
+
+    state_bytes: dict[str, int] = {}
+    since, steps_since = time.perf_counter(), 0
+    for step in range(1, t.steps + 1):
+        loss_sum = torch.zeros((), device=device)
+        micro_batches = sampler.micro_batches(step)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            set_gradient_sync(model, i == len(micro_batches) - 1, c.parallel.zero_stage)
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            with autocast:
+                logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm_(params, t.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        if step == 1:
+            state_bytes = model_state_bytes(model, optimizer)
+        model.zero_grad(set_to_none=True)
+        steps_since += 1
+
+        if step % c.logging.log_every and step != t.steps:
+            continue
+        loss_avg = loss_sum.clone()
+        if meshes.dp is not None:
+            dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=meshes.dp.get_group())
+        loss_value, norm_value = loss_avg.item(), grad_norm.item()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
+                                   f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
+        elapsed = time.perf_counter() - since
+        since, tokens_per_sec = time.perf_counter(), global_tokens * steps_since / elapsed
+        steps_since = 0
+        per_rank_max = torch.tensor([max_memory_bytes(device), *state_bytes.values()], dtype=torch.float64)
+        if dist.is_initialized():  # the largest rank is what has to fit
+            dist.all_reduce(per_rank_max, op=dist.ReduceOp.MAX)
+        memory = [int(v) for v in per_rank_max.tolist()]
+        logger.log({
+            "step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
+            "tokens_per_sec": tokens_per_sec, "step_time_s": elapsed / max(1, c.logging.log_every),
+            "mfu": tokens_per_sec * flops / (peak * world_size) if peak else None,
+            "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])),
+        })
+    logger.close()
+    if t.save_model:
+        save_full_model(model, run_dir / "model.safetensors", c.model.tie_embeddings, is_rank0)
+    return run_dir
+
+
+def save_full_model(model, path: Path, tied: bool, is_rank0: bool) -> None:
+    """Gather the full weights onto rank 0 (in CPU memory) and write them as safetensors."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_rank0:
+        if tied:
+            state.pop("output.weight")  # the same tensor as tok_embeddings.weight
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except (ConfigError, TrainingDiverged) as e:
+        if rank() == 0:
+            kind = "config error" if isinstance(e, ConfigError) else "training stopped"
+            print(f"parallel3d: {kind}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2 if isinstance(e, ConfigError) else 3)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    register_configs()
+    OmegaConf.register_new_resolver("p3d.rank0_dir", _rank0_dir, replace=True)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

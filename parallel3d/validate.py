@@ -1,0 +1,243 @@
+"""Check a composed config against the world size before any process group exists.
+
+``check(cfg, world_size)`` resolves the shorthand values (``dp_shard=-1``, Accelerate strategy
+names) in place and raises :class:`ConfigError` for the first problem it finds. Each error names
+the key, the value, why it cannot work and how to fix it, in one message meant for a person.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LR_SCHEDULES = ("cosine", "wsd", "constant")
+OPTIM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+
+# Hugging Face Accelerate's FSDP strategy names -> (zero stage, needs dp_replicate > 1).
+ACCELERATE_STRATEGIES = {
+    "NO_SHARD": (0, False),
+    "SHARD_GRAD_OP": (2, False),
+    "FULL_SHARD": (3, False),
+    "HYBRID_SHARD_ZERO2": (2, True),
+    "HYBRID_SHARD": (3, True),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run, explained for the person who wrote it."""
+
+    def __init__(self, key: str, value: object, problem: str, fix: str):
+        self.key, self.value = key, value
+        super().__init__(f"{key}={value}: {problem}. Fix: {fix}.")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check(cfg, world_size: int) -> None:
+    """Resolve shorthands in ``cfg`` and raise ConfigError if it cannot run on ``world_size`` ranks."""
+    _resolve_strategy(cfg.parallel)
+    _check_degrees(cfg.parallel, world_size)
+    _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
+    _check_data_parallel(cfg.parallel, cfg.train)
+    _check_pipeline(cfg.parallel)
+    _check_batch(cfg.train, cfg.parallel, cfg.model)
+    _check_optim(cfg.optim, cfg.train.steps)
+    _check_data(cfg.data, cfg.model)
+    _check_logging(cfg.logging)
+
+
+def _resolve_strategy(p) -> None:
+    name = p.fsdp_sharding_strategy
+    if name is None:
+        return
+    if name not in ACCELERATE_STRATEGIES:
+        raise ConfigError("parallel.fsdp_sharding_strategy", name, "unknown strategy",
+                          f"use one of {', '.join(ACCELERATE_STRATEGIES)} (or set parallel.zero_stage)")
+    stage, hybrid = ACCELERATE_STRATEGIES[name]
+    if hybrid and p.dp_replicate == 1:
+        raise ConfigError("parallel.fsdp_sharding_strategy", name,
+                          "hybrid sharding replicates across groups but parallel.dp_replicate=1",
+                          "set parallel.dp_replicate to the number of replica groups (e.g. nodes)")
+    if not hybrid and p.dp_replicate > 1:
+        raise ConfigError("parallel.fsdp_sharding_strategy", name,
+                          f"parallel.dp_replicate={p.dp_replicate} asks for hybrid sharding",
+                          f"use HYBRID_SHARD or HYBRID_SHARD_ZERO2, or set parallel.dp_replicate=1")
+    p.zero_stage = stage
+
+
+def _check_degrees(p, world_size: int) -> None:
+    for key in ("dp_replicate", "tp", "pp"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key}", getattr(p, key), "a parallel degree must be >= 1", "use 1 or more")
+    rest = p.dp_replicate * p.tp * p.pp
+    if p.dp_shard == -1:
+        if world_size % rest:
+            raise ConfigError("parallel.dp_shard", -1,
+                              f"world size {world_size} is not divisible by dp_replicate*tp*pp = {rest}",
+                              f"launch a multiple of {rest} ranks or change dp_replicate/tp/pp")
+        p.dp_shard = world_size // rest
+    elif p.dp_shard < 1:
+        raise ConfigError("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 for all ranks left over",
+                          "use -1 or a positive degree")
+    product = p.dp_replicate * p.dp_shard * p.tp * p.pp
+    if product != world_size:
+        raise ConfigError("parallel.dp_shard", p.dp_shard,
+                          f"dp_replicate*dp_shard*tp*pp = {p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp} = "
+                          f"{product} but the world size is {world_size}",
+                          f"make the product {world_size}, e.g. parallel.dp_shard=-1")
+
+
+def _check_model(m, tp: int, pp: int) -> None:
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key}", getattr(m, key), "must be positive", "use a positive size")
+    if m.dim % m.n_heads:
+        raise ConfigError("model.dim", m.dim, f"not divisible by model.n_heads={m.n_heads}",
+                          f"choose n_heads from {divisors(m.dim)}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError("model.n_heads", m.n_heads, f"head dim {m.dim // m.n_heads} is odd and RoPE rotates pairs",
+                          "choose dim and n_heads so that dim/n_heads is even")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", m.n_kv_heads, f"grouped-query attention needs it to divide "
+                          f"model.n_heads={m.n_heads}", f"choose n_kv_heads from {divisors(m.n_heads)}")
+    for key in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "dim"):
+        size = getattr(m, key)
+        if size % tp:
+            ok = [d for d in divisors(size) if d <= 64]
+            raise ConfigError("parallel.tp", tp, f"tensor parallelism splits model.{key}={size} across tp ranks "
+                              f"and it is not divisible", f"choose parallel.tp from {ok}")
+    if pp > m.n_layers:
+        raise ConfigError("parallel.pp", pp, f"more pipeline stages than model.n_layers={m.n_layers}",
+                          f"use parallel.pp <= {m.n_layers}")
+
+
+def _check_data_parallel(p, t) -> None:
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero_stage", p.zero_stage, "ZeRO stages are 0 (DDP), 1, 2 and 3 (FSDP)",
+                          "use 0, 1, 2 or 3 (or parallel.fsdp_sharding_strategy=FULL_SHARD etc.)")
+    if p.zero_stage >= 2 and p.dp_replicate > 1 and p.dp_shard == 1:
+        raise ConfigError("parallel.zero_stage", p.zero_stage, f"hybrid sharding with parallel.dp_shard=1 "
+                          f"shards nothing", "use parallel.zero_stage=0 or 1, or give dp_shard a degree > 1")
+    if p.fsdp_wrap not in ("block", "size"):
+        raise ConfigError("parallel.fsdp_wrap", p.fsdp_wrap, "unknown wrap policy", "use block or size")
+    if p.fsdp_prefetch < 0:
+        raise ConfigError("parallel.fsdp_prefetch", p.fsdp_prefetch, "must be >= 0", "use 0 (FSDP default) or N")
+    if p.fsdp_prefetch and p.fsdp_wrap != "block":
+        raise ConfigError("parallel.fsdp_prefetch", p.fsdp_prefetch, "explicit prefetch counts transformer "
+                          "blocks, but parallel.fsdp_wrap=size", "use parallel.fsdp_wrap=block or fsdp_prefetch=0")
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(t, key) not in DTYPES:
+            raise ConfigError(f"train.{key}", getattr(t, key), "unknown dtype", f"use one of {', '.join(DTYPES)}")
+    if t.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("train.device", t.device, "unknown device", "use auto, cpu or cuda")
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", "cuda", "no CUDA device is visible on this machine",
+                          "run on a GPU machine, or set train.device=cpu (or auto)")
+    if p.cpu_offload:
+        if p.zero_stage < 2:
+            raise ConfigError("parallel.cpu_offload", True, f"offload moves FSDP shards to the CPU, but "
+                              f"parallel.zero_stage={p.zero_stage} does not use FSDP", "use zero_stage 2 or 3")
+        if resolve_device(t.device) == "cpu":
+            raise ConfigError("parallel.cpu_offload", True, "FSDP's CPU offload needs an accelerator and this "
+                              "run trains on the CPU already", "set parallel.cpu_offload=false, or train on a GPU")
+
+
+def _check_pipeline(p) -> None:
+    if p.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError("parallel.pp_schedule", p.pp_schedule, "unknown pipeline schedule",
+                          f"use one of {', '.join(PP_SCHEDULES)}")
+    if p.pp_microbatches is not None and p.pp_microbatches < 1:
+        raise ConfigError("parallel.pp_microbatches", p.pp_microbatches, "must be >= 1",
+                          "use at least parallel.pp microbatches")
+    # Tensor and pipeline parallelism compose with data parallelism in the next release (issue 3).
+    # Their constraints are checked above already so recipes for them can be validated today.
+    if p.tp > 1:
+        raise ConfigError("parallel.tp", p.tp, "tensor parallelism is not available in this version yet",
+                          "use parallel.tp=1 and data parallelism (dp_shard/dp_replicate)")
+    if p.pp > 1:
+        raise ConfigError("parallel.pp", p.pp, "pipeline parallelism is not available in this version yet",
+                          "use parallel.pp=1 and data parallelism (dp_shard/dp_replicate)")
+
+
+def _check_batch(t, p, m) -> None:
+    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}", getattr(t, key), "must be >= 1", "use a positive number")
+    dp = p.dp_replicate * p.dp_shard
+    if t.global_batch_size % (dp * t.micro_batch_size):
+        raise ConfigError("train.global_batch_size", t.global_batch_size,
+                          f"not divisible by data-parallel degree {dp} x train.micro_batch_size="
+                          f"{t.micro_batch_size} = {dp * t.micro_batch_size}",
+                          f"use a multiple of {dp * t.micro_batch_size}, or a smaller micro batch")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError("train.seq_len", t.seq_len, f"longer than model.max_seq_len={m.max_seq_len}",
+                          f"use train.seq_len <= {m.max_seq_len}")
+    if t.grad_clip < 0:
+        raise ConfigError("train.grad_clip", t.grad_clip, "must be >= 0", "use 0 to disable clipping")
+    if t.dist_timeout_s < 1:
+        raise ConfigError("train.dist_timeout_s", t.dist_timeout_s, "must be >= 1", "use seconds, e.g. 300")
+
+
+def _check_optim(o, steps: int) -> None:
+    if o.name != "adamw":
+        raise ConfigError("optim.name", o.name, "unknown optimizer", "use adamw")
+    if o.lr <= 0:
+        raise ConfigError("optim.lr", o.lr, "must be > 0", "use a positive learning rate, e.g. 3e-4")
+    if o.schedule not in LR_SCHEDULES:
+        raise ConfigError("optim.schedule", o.schedule, "unknown LR schedule", f"use one of {', '.join(LR_SCHEDULES)}")
+    if o.implementation not in OPTIM_IMPLEMENTATIONS:
+        raise ConfigError("optim.implementation", o.implementation, "unknown implementation",
+                          f"use one of {', '.join(OPTIM_IMPLEMENTATIONS)}")
+    if not 0 <= o.warmup_steps <= steps:
+        raise ConfigError("optim.warmup_steps", o.warmup_steps, f"must lie in 0..train.steps={steps}",
+                          f"use at most {steps} warmup steps")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1]", "use e.g. 0.1")
+    if not 0 <= o.decay_fraction <= 1:
+        raise ConfigError("optim.decay_fraction", o.decay_fraction, "must lie in [0, 1]", "use e.g. 0.2")
+
+
+def _check_data(d, m) -> None:
+    if d.source not in ("stdlib", "file"):
+        raise ConfigError("data.source", d.source, "unknown data source", "use stdlib or file")
+    if d.source == "file":
+        if not d.path:
+            raise ConfigError("data.path", d.path, "data.source=file needs a token file",
+                              "prepare one with tools/prepare_data.py and pass data.path=FILE")
+        if not Path(d.path).expanduser().is_file():
+            raise ConfigError("data.path", d.path, "no such file", "check the path (relative paths start at the "
+                              "directory you launch from)")
+    if d.tokenizer != "byte":
+        if not Path(d.tokenizer).expanduser().is_file():
+            raise ConfigError("data.tokenizer", d.tokenizer, "neither 'byte' nor an existing tokenizer.json",
+                              "use data.tokenizer=byte or a path to a Hugging Face tokenizer.json")
+    from parallel3d.data.tokenizer import load_tokenizer  # the vocabulary must fit the embedding
+
+    vocab = load_tokenizer(d.tokenizer).vocab_size
+    if vocab > m.vocab_size:
+        raise ConfigError("model.vocab_size", m.vocab_size, f"smaller than the tokenizer's vocabulary ({vocab})",
+                          f"use model.vocab_size >= {vocab}")
+
+
+def _check_logging(lg) -> None:
+    if lg.log_every < 1:
+        raise ConfigError("logging.log_every", lg.log_every, "must be >= 1", "log every N >= 1 steps")
+    if lg.wandb.mode not in (None, "online", "offline", "disabled"):
+        raise ConfigError("logging.wandb.mode", lg.wandb.mode, "unknown wandb mode",
+                          "use online, offline or disabled")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
