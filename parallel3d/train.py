@@ -191,7 +191,12 @@ def _hydra_main(cfg: DictConfig) -> None:
         if rank() == 0:
             kind = "config error" if isinstance(e, ConfigError) else "training stopped"
             print(f"parallel3d: {kind}: {e}", file=sys.stderr, flush=True)
+        else:  # torchrun kills the other ranks when one exits: let rank 0 say why first
+            time.sleep(2)
         sys.exit(2 if isinstance(e, ConfigError) else 3)
+    else:
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,2 @@
+"""Launchers: parallel3d-run (validated torchrun)."""
+

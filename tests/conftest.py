@@ -1,0 +1,84 @@
+"""Shared harness: launch real training runs and judge them by what they wrote.
+
+Runs go through ``python -m parallel3d.train`` (one process) or ``torchrun`` (several gloo ranks
+on CPU) in subprocesses with timeouts. A run is judged by its metrics.jsonl, not only torchrun's
+exit code: gloo occasionally aborts a worker at exit after the run has finished (see NOTES).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+RUN_TIMEOUT_S = 300
+# Every test run: a short, fast variant of the default recipe.
+FAST = ["train.steps=10", "optim.warmup_steps=2", "train.seq_len=64", "train.global_batch_size=16"]
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def metrics(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def losses(self) -> list[float]:
+        return [row["loss"] for row in self.metrics]
+
+    def assert_finished(self, steps: int) -> None:
+        got = [row["step"] for row in self.metrics]
+        assert got and got[-1] == steps, f"run stopped at {got[-1:]}, rc={self.returncode}\n{self.stderr[-3000:]}"
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
+    e.pop("RANK", None), e.pop("WORLD_SIZE", None), e.pop("LOCAL_RANK", None)
+    return e
+
+
+def launch(run_dir: Path, overrides: list[str], nproc: int = 1, launcher: str = "auto",
+           timeout: int = RUN_TIMEOUT_S) -> Run:
+    """Train with these overrides on ``nproc`` CPU ranks; wait for it (with a timeout)."""
+    args = [f"run_dir={run_dir}", *overrides]
+    if launcher == "auto":
+        launcher = "python" if nproc == 1 else "torchrun"
+    if launcher == "python":
+        cmd = [sys.executable, "-m", "parallel3d.train", *args]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "parallel3d.train", *args]
+    else:  # our launcher
+        cmd = [sys.executable, "-m", "parallel3d.launch.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=run_dir.parent)
+    return Run(run_dir, proc.returncode, proc.stdout, proc.stderr)
+
+
+def relative_error(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="session")
+def runs_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="session")
+def reference_run(runs_root) -> Run:
+    """The single-process run every data-parallel layout must reproduce (shared, run once)."""
+    run = launch(runs_root / "reference", [*FAST, "train.micro_batch_size=16", "train.save_model=true"])
+    run.assert_finished(10)
+    return run
