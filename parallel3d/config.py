@@ -72,7 +72,7 @@ class ParallelConfig:
 class TrainConfig:
     steps: int = 40
     global_batch_size: int = 16  # sequences per optimizer step, all data-parallel ranks together
-    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    micro_batch_size: int = 2  # sequences per forward/backward on one rank
     seq_len: int = 64
     seed: int = 0
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from torch.distributed.fsdp import FSDPModule
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from conftest import FAST, launch, relative_error
-
-pytestmark = pytest.mark.multirank
+from parallel3d.config import compose
+from parallel3d.mesh import ParallelDims, build_mesh
+from parallel3d.models import Transformer
+from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 
 # name: (ranks, overrides). Each ZeRO stage appears with and without gradient accumulation.
 LAYOUTS = {
@@ -27,9 +33,36 @@ LAYOUTS = {
     "hsdp2x2-zero2": (4, ["parallel.dp_replicate=2", "parallel.zero_stage=2", "train.micro_batch_size=4"]),
     "hsdp2x2-zero3-accum": (4, ["parallel.dp_replicate=2", "parallel.fsdp_sharding_strategy=HYBRID_SHARD",
                                 "train.micro_batch_size=2"]),
+    "dp2-zero3-prefetch2": (2, ["parallel.zero_stage=3", "parallel.fsdp_prefetch=2", "train.micro_batch_size=8"]),
+    "dp2-zero3-sizewrap": (2, ["parallel.zero_stage=3", "parallel.fsdp_wrap=size", "parallel.fsdp_min_params=100000",
+                               "train.micro_batch_size=8"]),
 }
 
 _runs: dict = {}
+
+
+@pytest.fixture
+def fake_world():
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        yield build_mesh(ParallelDims(dp_replicate=1, dp_shard=2, tp=1, pp=1), "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrap,units", [
+    ("block", {"", "layers.0", "layers.1", "layers.2", "layers.3"}),
+    # feed_forward (147k params) reaches 100k alone; attention (49k) and norms stay with the root.
+    ("size", {"", "layers.0.feed_forward", "layers.1.feed_forward", "layers.2.feed_forward",
+              "layers.3.feed_forward"}),
+])
+def test_wrap_policy_decides_the_fsdp_units(fake_world, wrap, units):
+    with torch.device("meta"):
+        model = Transformer(OmegaConf.to_object(compose([]).model))
+    plan = DataParallelPlan(zero_stage=3, param_dtype=torch.float32, reduce_dtype=torch.float32, wrap=wrap,
+                            min_params=100_000)
+    apply_data_parallel(model, fake_world.dp, fake_world.fsdp, plan)
+    assert {name for name, m in model.named_modules() if isinstance(m, FSDPModule)} == units
 
 
 @pytest.fixture(params=list(LAYOUTS))
@@ -43,6 +76,7 @@ def layout_run(request, runs_root):
     return name, _runs[name]
 
 
+@pytest.mark.multirank
 def test_losses_and_final_weights_match_single_process(layout_run, reference_run):
     name, run = layout_run
     assert relative_error(run.losses, reference_run.losses) < 1e-5, (run.losses, reference_run.losses)
@@ -65,6 +99,7 @@ def _ideal(reference: dict, stage: int, dp: int, dp_shard: int) -> dict:
     return {k: v / dp_shard for k, v in full.items()}
 
 
+@pytest.mark.multirank
 def test_model_state_memory_is_ideal_for_the_zero_stage(layout_run, reference_run):
     name, run = layout_run
     nproc, overrides = LAYOUTS[name]

@@ -61,7 +61,8 @@ def _shard_by_size(root: nn.Module, min_params: int, shard: dict) -> None:
     def visit(module: nn.Module) -> int:
         unclaimed = sum(visit(child) for child in module.children())
         unclaimed += sum(p.numel() for p in module.parameters(recurse=False))
-        if module is not root and unclaimed >= min_params:
+        is_container = isinstance(module, (nn.ModuleDict, nn.ModuleList))  # no forward of its own to hook
+        if module is not root and not is_container and unclaimed >= min_params:
             fully_shard(module, **shard)
             return 0
         return unclaimed

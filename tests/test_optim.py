@@ -1,0 +1,210 @@
+"""Learning-rate schedules, the scheduler on a real optimizer, gradient clipping, AdamW variants."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+from parallel3d.config import OptimConfig
+from parallel3d.mesh import Meshes
+from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor
+
+STEPS, WARMUP, MIN_RATIO = 40, 5, 0.1
+
+
+def factors(schedule: str, steps: int = STEPS, warmup: int = WARMUP, min_ratio: float = MIN_RATIO,
+            decay_fraction: float = 0.2) -> list[float]:
+    """The factor of every optimizer step of a run (LambdaLR counts 0 .. steps - 1)."""
+    f = partial(lr_factor, steps=steps, warmup=warmup, schedule=schedule, min_ratio=min_ratio,
+                decay_fraction=decay_fraction)
+    return [f(s) for s in range(steps)]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_linear_warmup_reaches_peak_at_last_warmup_step(schedule):
+    f = factors(schedule)
+    assert f[:WARMUP] == pytest.approx([(s + 1) / WARMUP for s in range(WARMUP)])
+    assert all(a < b for a, b in zip(f[: WARMUP - 1], f[1:WARMUP]))  # strictly increasing
+    assert f[WARMUP - 1] == pytest.approx(1.0)
+    assert f[0] > 0  # the first step already trains
+
+
+def test_cosine_is_monotone_after_warmup_and_clamped_at_min():
+    f = factors("cosine")
+    after = f[WARMUP - 1 :]
+    assert all(b <= a + 1e-12 for a, b in zip(after, after[1:]))
+    assert after[0] == pytest.approx(1.0)
+    assert min(f[WARMUP:]) >= MIN_RATIO - 1e-12
+    # Half way through the decay the cosine is half way between peak and floor.
+    steps = WARMUP + 2 * 10  # an even number of decay steps has an exact midpoint
+    assert lr_factor(WARMUP + 10, steps=steps, warmup=WARMUP, schedule="cosine", min_ratio=MIN_RATIO,
+                     decay_fraction=0.2) == pytest.approx((1 + MIN_RATIO) / 2)
+    # Beyond the end of the run the factor stays at the floor.
+    for step in (STEPS, STEPS + 7):
+        assert lr_factor(step, steps=STEPS, warmup=WARMUP, schedule="cosine", min_ratio=MIN_RATIO,
+                         decay_fraction=0.2) == pytest.approx(MIN_RATIO)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: cosine reaches min_ratio one step after the last optimizer step "
+                   "(step == steps), while wsd reaches it at step steps - 1; see report")
+def test_cosine_ends_at_min_ratio_at_final_step():
+    f = factors("cosine")
+    assert f[-1] == pytest.approx(MIN_RATIO)
+
+
+def test_wsd_flat_then_linear_decay_to_min_ratio():
+    decay_fraction = 0.25
+    f = factors("wsd", decay_fraction=decay_fraction, min_ratio=0.0)
+    decay_steps = round(decay_fraction * STEPS)
+    decay_start = STEPS - decay_steps
+    assert f[WARMUP - 1 : decay_start] == [1.0] * (decay_start - WARMUP + 1)
+    decay = f[decay_start:]
+    assert all(b < a for a, b in zip([1.0, *decay], decay))  # strictly decreasing from the plateau
+    steps_ = [b - a for a, b in zip(decay, decay[1:])]
+    assert steps_ == pytest.approx([steps_[0]] * len(steps_))  # linear
+    assert f[-1] == pytest.approx(0.0)
+
+
+def test_wsd_ends_at_nonzero_min_ratio():
+    f = factors("wsd", min_ratio=MIN_RATIO)
+    assert f[-1] == pytest.approx(MIN_RATIO)
+    assert min(f) == pytest.approx(min(f[-1], f[0]))
+
+
+def test_constant_stays_at_peak_after_warmup():
+    f = factors("constant")
+    assert f[WARMUP - 1 :] == [1.0] * (STEPS - WARMUP + 1)
+
+
+def test_no_warmup_starts_at_peak():
+    for schedule in ("cosine", "wsd", "constant"):
+        assert factors(schedule, warmup=0)[0] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_scheduler_drives_adamw_lr(schedule):
+    cfg = OptimConfig(lr=2e-3, schedule=schedule, warmup_steps=3, min_lr_ratio=0.2, decay_fraction=0.3)
+    steps = 12
+    param = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([param], lr=cfg.lr)
+    scheduler = build_lr_scheduler(optimizer, cfg, steps)
+    expected = factors(schedule, steps=steps, warmup=3, min_ratio=0.2, decay_fraction=0.3)
+    seen = []
+    for _ in range(steps):
+        seen.append(optimizer.param_groups[0]["lr"])
+        assert scheduler.get_last_lr()[0] == pytest.approx(seen[-1])
+        param.grad = torch.ones_like(param)
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([cfg.lr * f for f in expected])
+
+
+def _params_with_grads(*grads: list[float]) -> list[nn.Parameter]:
+    params = []
+    for g in grads:
+        p = nn.Parameter(torch.zeros(len(g)))
+        p.grad = torch.tensor(g)
+        params.append(p)
+    return params
+
+
+def test_clip_grad_norm_scales_down_to_max_norm():
+    params = _params_with_grads([3.0, 0.0], [0.0, 4.0, 12.0])  # global norm sqrt(9 + 16 + 144) = 13
+    before = [p.grad.clone() for p in params]
+    norm = clip_grad_norm_(params, max_norm=1.0)
+    assert norm.item() == pytest.approx(13.0)
+    after = math.sqrt(sum(float(p.grad.square().sum()) for p in params))
+    assert after == pytest.approx(1.0, rel=1e-5)
+    for p, g in zip(params, before):  # same direction, scaled by max_norm / norm
+        torch.testing.assert_close(p.grad, g / 13.0, rtol=1e-5, atol=1e-7)
+
+
+def test_clip_grad_norm_below_max_leaves_grads():
+    params = _params_with_grads([0.3, 0.4])
+    norm = clip_grad_norm_(params, max_norm=1.0)
+    assert norm.item() == pytest.approx(0.5)
+    torch.testing.assert_close(params[0].grad, torch.tensor([0.3, 0.4]))
+
+
+def test_clip_grad_norm_zero_only_measures():
+    params = _params_with_grads([30.0, 40.0], [0.0])
+    norm = clip_grad_norm_(params, max_norm=0)
+    assert norm.item() == pytest.approx(50.0)
+    assert params[0].grad.tolist() == [30.0, 40.0]
+
+
+def test_clip_grad_norm_skips_params_without_grad():
+    params = _params_with_grads([6.0, 8.0])
+    params.append(nn.Parameter(torch.ones(4)))  # no .grad (e.g. frozen or unused)
+    norm = clip_grad_norm_(params, max_norm=5.0)
+    assert norm.item() == pytest.approx(10.0)
+    torch.testing.assert_close(params[0].grad, torch.tensor([3.0, 4.0]))
+    assert params[1].grad is None
+
+
+@pytest.mark.xfail(strict=True, reason="BUG (latent): a generator such as model.parameters() is consumed by "
+                   "the norm computation, so nothing is clipped; torch.nn.utils.clip_grad_norm_ accepts it")
+def test_clip_grad_norm_accepts_a_generator_like_torch():
+    model = nn.Linear(2, 1, bias=False)
+    model.weight.grad = torch.tensor([[30.0, 40.0]])
+    norm = clip_grad_norm_(model.parameters(), max_norm=1.0)
+    assert norm.item() == pytest.approx(50.0)
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[0.6, 0.8]]))
+
+
+def _tiny_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("implementation", ["auto", "foreach", "for_loop", "fused"])
+def test_build_optimizer_implementations_step_on_cpu(implementation):
+    cfg = OptimConfig(lr=1e-2, beta1=0.8, beta2=0.9, eps=1e-7, weight_decay=0.05, implementation=implementation)
+    model = _tiny_net()
+    model[0].bias.requires_grad_(False)  # frozen parameters are left out
+    optimizer = build_optimizer(model, cfg, Meshes(world=None), zero_stage=3)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == cfg.lr and group["betas"] == (0.8, 0.9)
+    assert group["eps"] == cfg.eps and group["weight_decay"] == cfg.weight_decay
+    flags = {"auto": (None, None), "foreach": (True, None), "for_loop": (False, None), "fused": (None, True)}
+    assert (group["foreach"], group["fused"] or None) == flags[implementation]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert [id(p) for p in group["params"]] == [id(p) for p in trainable]
+
+    x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.zeros(16, 1)
+    frozen = model[0].bias.detach().clone()
+    before = [p.detach().clone() for p in trainable]
+    losses = []
+    for _ in range(5):
+        loss = nn.functional.mse_loss(model(x), y) + 1.0
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, trainable))
+    assert torch.equal(model[0].bias, frozen)
+    assert losses[-1] < losses[0]
+
+
+def test_build_optimizer_implementations_agree():
+    """Every implementation computes the same AdamW update."""
+    results = {}
+    for implementation in ("foreach", "for_loop", "fused"):
+        model = _tiny_net()
+        optimizer = build_optimizer(model, replace(OptimConfig(), implementation=implementation),
+                                    Meshes(world=None), zero_stage=0)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+        results[implementation] = [p.detach() for p in model.parameters()]
+    for implementation in ("for_loop", "fused"):
+        for a, b in zip(results["foreach"], results[implementation]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
