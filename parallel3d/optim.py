@@ -34,8 +34,9 @@ def lr_factor(step: int, *, steps: int, warmup: int, schedule: str, min_ratio: f
         return (step + 1) / warmup
     if schedule == "constant":
         return 1.0
-    if schedule == "cosine":
-        progress = (step - warmup) / max(steps - warmup, 1)
+    if schedule == "cosine":  # from the peak (once, at the last warmup step) to min_ratio at the last step
+        peak = max(warmup - 1, 0)
+        progress = (step - peak) / max(steps - 1 - peak, 1)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     decay_steps = max(int(round(decay_fraction * steps)), 1)  # wsd: warmup, stable, linear decay
     decay_start = steps - decay_steps
@@ -57,6 +58,7 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     Sharded (DTensor) gradients give a partial norm per rank; ``full_tensor()`` reduces it over
     the mesh, so each rank clips by the same, global, value. ``max_norm=0`` only measures.
     """
+    params = list(params)  # torch's clip_grad_norm_ takes a generator too
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     if isinstance(norm, DTensor):

@@ -167,19 +167,17 @@ def train(cfg: DictConfig) -> Path:
         })
     logger.close()
     if t.save_model:
-        save_full_model(model, run_dir / "model.safetensors", c.model.tie_embeddings, is_rank0)
+        save_full_model(model, run_dir / "model.safetensors", is_rank0)
     return run_dir
 
 
-def save_full_model(model, path: Path, tied: bool, is_rank0: bool) -> None:
+def save_full_model(model, path: Path, is_rank0: bool) -> None:
     """Gather the full weights onto rank 0 (in CPU memory) and write them as safetensors."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_rank0:
-        if tied:
-            state.pop("output.weight")  # the same tensor as tok_embeddings.weight
         save_file({k: v.contiguous() for k, v in state.items()}, str(path))
 
 
@@ -206,6 +204,13 @@ def main() -> None:
     register_configs()
     OmegaConf.register_new_resolver("p3d.rank0_dir", _rank0_dir, replace=True)
     _hydra_main()
+    if world_size_from_env() > 1:
+        # The run is complete and its process group destroyed. gloo can still abort the process
+        # in C++ static destructors ("terminate called without an active exception"), which
+        # torchrun reports as a failed run (and --max-restarts would restart); skip them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

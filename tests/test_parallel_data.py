@@ -108,3 +108,16 @@ def test_model_state_memory_is_ideal_for_the_zero_stage(layout_run, reference_ru
     measured, reference = run.metrics[0], reference_run.metrics[0]
     for key, ideal in _ideal(reference, stage, nproc, dp_shard).items():
         assert abs(measured[key] - ideal) / ideal < 0.02, f"{name} {key}: {measured[key]} vs ideal {ideal:.0f}"
+
+
+@pytest.mark.multirank
+def test_tied_embeddings_train_identically_under_fsdp(runs_root):
+    tied = [*FAST, "model.tie_embeddings=true", "train.save_model=true"]
+    single = launch(runs_root / "tied-single", [*tied, "train.micro_batch_size=16"])
+    sharded = launch(runs_root / "tied-dp2-zero3", [*tied, "parallel.zero_stage=3", "train.micro_batch_size=8"],
+                     nproc=2)
+    single.assert_finished(10), sharded.assert_finished(10)
+    assert relative_error(sharded.losses, single.losses) < 1e-5
+    weights = load_file(str(sharded.run_dir / "model.safetensors"))
+    assert "output.weight" not in weights  # one matrix, trained as both embedding and projection
+    torch.testing.assert_close(weights, load_file(str(single.run_dir / "model.safetensors")), rtol=1e-5, atol=1e-5)

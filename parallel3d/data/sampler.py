@@ -1,7 +1,7 @@
 """Which sequences a step trains on: a pure function of (seed, step), whatever the layout.
 
-The token stream is cut into non-overlapping windows of seq_len + 1 tokens (inputs and their
-next-token targets). Each epoch visits the windows in a fresh seeded permutation. The global batch
+The token stream is cut into windows of seq_len input tokens; a window's targets are the same
+tokens shifted by one, so consecutive windows share one boundary token. Each epoch visits the windows in a fresh seeded permutation. The global batch
 of step s is the next global_batch_size windows of that stream; data-parallel rank r takes the
 r-th contiguous slice of it, in micro batches. Tensor and pipeline ranks of one data-parallel
 group get the same slice. Resuming needs nothing but the step number.

@@ -96,9 +96,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        # Tied embeddings are one parameter used twice, not two modules sharing a weight:
+        # to_empty() and sharding would silently untie a shared Parameter.
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Not persistent: recomputed by init_weights, never read from a checkpoint.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -109,7 +109,8 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, cos, sin)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
