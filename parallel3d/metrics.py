@@ -73,7 +73,7 @@ class MetricsLogger:
         self.enabled, self.total_steps, self.wandb_run = enabled, total_steps, wandb_run
         self.path = run_dir / "metrics.jsonl"
         self.start = time.perf_counter()
-        self._file = open(self.path, "a") if enabled else None
+        self._file = open(self.path, "w") if enabled else None  # a run starts its own record
 
     def log(self, row: dict) -> None:
         if not self.enabled:

@@ -113,7 +113,7 @@ def train(cfg: DictConfig) -> Path:
                 if meshes.dp is None and t.param_dtype != "float32" else contextlib.nullcontext())
     flops = flops_per_token(c.model, t.seq_len)
     peak = peak_flops(device, t.param_dtype)
-    wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg)) if (
+    wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True)) if (
         is_rank0 and c.logging.wandb.enabled) else None
     logger = MetricsLogger(run_dir, t.steps, is_rank0, wandb_run)
     if is_rank0:
@@ -153,15 +153,15 @@ def train(cfg: DictConfig) -> Path:
             raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
                                    f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
         elapsed = time.perf_counter() - since
-        since, tokens_per_sec = time.perf_counter(), global_tokens * steps_since / elapsed
-        steps_since = 0
+        step_time, tokens_per_sec = elapsed / steps_since, global_tokens * steps_since / elapsed
+        since, steps_since = time.perf_counter(), 0
         per_rank_max = torch.tensor([max_memory_bytes(device), *state_bytes.values()], dtype=torch.float64)
         if dist.is_initialized():  # the largest rank is what has to fit
             dist.all_reduce(per_rank_max, op=dist.ReduceOp.MAX)
         memory = [int(v) for v in per_rank_max.tolist()]
         logger.log({
             "step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
-            "tokens_per_sec": tokens_per_sec, "step_time_s": elapsed / max(1, c.logging.log_every),
+            "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
             "mfu": tokens_per_sec * flops / (peak * world_size) if peak else None,
             "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])),
         })

@@ -105,3 +105,18 @@ def test_launcher_runs_torchrun_with_mixed_precision_fsdp(tmp_path, reference_ru
     # bf16 compute, fp32 master weights and reduction: close to the fp32 run, not equal to it.
     assert relative_error(run.losses, reference_run.losses) < 2e-2
     assert yaml.safe_load((run.run_dir / "config.yaml").read_text())["parallel"]["dp_shard"] == 2
+
+
+def test_step_time_covers_the_steps_since_the_last_log(tmp_path):
+    run = launch(tmp_path / "timing", [*FAST, "train.steps=5", "logging.log_every=3"])
+    run.assert_finished(5)
+    first, last = run.metrics  # steps 3 (three steps timed) and 5 (two steps)
+    for row, steps in ((first, 3), (last, 2)):
+        tokens = 16 * 64 * steps
+        assert row["step_time_s"] * steps == pytest.approx(tokens / row["tokens_per_sec"], rel=1e-6)
+
+
+def test_a_new_run_in_an_old_run_dir_starts_a_fresh_record(tmp_path):
+    for _ in range(2):
+        run = launch(tmp_path / "again", [*FAST, "train.steps=2"])
+    assert [r["step"] for r in run.metrics] == [1, 2]
