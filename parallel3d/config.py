@@ -60,6 +60,7 @@ class ParallelConfig:
     # Hugging Face Accelerate's names, for users who arrive with them. When set, it decides
     # zero_stage: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2.
     fsdp_sharding_strategy: Optional[str] = None
+    sequence_parallel: bool = True  # under tp: split norms and the residual stream along the sequence
     fsdp_wrap: str = "block"  # block: one FSDP unit per transformer block; size: by fsdp_min_params
     fsdp_min_params: int = 100_000_000
     fsdp_prefetch: int = 0  # explicit forward/backward prefetch of N blocks; 0 = FSDP's default

@@ -56,13 +56,18 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     """Clip to a global norm over every shard of every gradient; returns the norm before clipping.
 
     Sharded (DTensor) gradients give a partial norm per rank; ``full_tensor()`` reduces it over
-    the mesh, so each rank clips by the same, global, value. ``max_norm=0`` only measures.
+    the mesh, so each rank clips by the same, global, value. Plain tensors (say, norm weights
+    replicated under tensor parallelism without sequence parallelism) are complete on every rank
+    and add their own norm; the two kinds cannot share one foreach kernel. ``max_norm=0`` only
+    measures.
     """
-    params = list(params)  # torch's clip_grad_norm_ takes a generator too
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    with_grad = [p for p in params if p.grad is not None]  # torch's clip_grad_norm_ takes a generator too
+    groups = [g for g in ([p for p in with_grad if isinstance(p.grad, DTensor)],
+                          [p for p in with_grad if not isinstance(p.grad, DTensor)]) if g]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in groups]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
@@ -111,6 +113,9 @@ def train(cfg: DictConfig) -> Path:
     # With data parallelism the FSDP/replicate mixed-precision policy casts; alone, autocast does.
     autocast = (torch.autocast(device.type, dtype=DTYPES[t.param_dtype])
                 if meshes.dp is None and t.param_dtype != "float32" else contextlib.nullcontext())
+    # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
+    # backward are computed on the shards.
+    vocab_parallel = loss_parallel if meshes.tp is not None else contextlib.nullcontext
     flops = flops_per_token(c.model, t.seq_len)
     peak = peak_flops(device, t.param_dtype)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True)) if (
@@ -129,11 +134,14 @@ def train(cfg: DictConfig) -> Path:
         for i, (inputs, targets) in enumerate(micro_batches):
             set_gradient_sync(model, i == len(micro_batches) - 1, c.parallel.zero_stage)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            with autocast:
-                logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
-            loss.backward()
-            loss_sum += loss.detach()
+            with vocab_parallel():
+                with autocast:
+                    logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+                loss = loss / tokens_per_rank
+                loss.backward()
+            loss = loss.detach()
+            loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
         grad_norm = clip_grad_norm_(params, t.grad_clip)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()

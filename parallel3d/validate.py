@@ -155,11 +155,8 @@ def _check_pipeline(p) -> None:
     if p.pp_microbatches is not None and p.pp_microbatches < 1:
         raise ConfigError("parallel.pp_microbatches", p.pp_microbatches, "must be >= 1",
                           "use at least parallel.pp microbatches")
-    # Tensor and pipeline parallelism compose with data parallelism in the next release (issue 3).
-    # Their constraints are checked above already so recipes for them can be validated today.
-    if p.tp > 1:
-        raise ConfigError("parallel.tp", p.tp, "tensor parallelism is not available in this version yet",
-                          "use parallel.tp=1 and data parallelism (dp_shard/dp_replicate)")
+    # Pipeline parallelism composes with the others in the next release (issue 3). Its shape
+    # constraints are checked above already, so recipes that use it can be validated today.
     if p.pp > 1:
         raise ConfigError("parallel.pp", p.pp, "pipeline parallelism is not available in this version yet",
                           "use parallel.pp=1 and data parallelism (dp_shard/dp_replicate)")
@@ -175,6 +172,10 @@ def _check_batch(t, p, m) -> None:
                           f"not divisible by data-parallel degree {dp} x train.micro_batch_size="
                           f"{t.micro_batch_size} = {dp * t.micro_batch_size}",
                           f"use a multiple of {dp * t.micro_batch_size}, or a smaller micro batch")
+    if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
+        raise ConfigError("train.seq_len", t.seq_len, f"sequence parallelism splits the sequence over "
+                          f"parallel.tp={p.tp} ranks and it is not divisible",
+                          f"use a multiple of {p.tp}, or parallel.sequence_parallel=false")
     if t.seq_len > m.max_seq_len:
         raise ConfigError("train.seq_len", t.seq_len, f"longer than model.max_seq_len={m.max_seq_len}",
                           f"use train.seq_len <= {m.max_seq_len}")

@@ -27,6 +27,7 @@ BAD = [
     (["parallel.pp=8", "train.micro_batch_size=1"], 8, "parallel.pp", "model.n_layers=4"),
     (["train.global_batch_size=12"], 4, "train.global_batch_size", "data-parallel degree 4"),
     (["train.seq_len=4096"], 1, "train.seq_len", "max_seq_len=2048"),
+    (["parallel.tp=2", "train.seq_len=63"], 2, "train.seq_len", "sequence parallelism"),
     (["parallel.zero_stage=4"], 2, "parallel.zero_stage", "ZeRO stages"),
     (["parallel.pp_schedule=Zigzag"], 1, "parallel.pp_schedule", "1F1B"),
     (["parallel.pp_microbatches=0"], 1, "parallel.pp_microbatches", ">= 1"),
@@ -102,18 +103,16 @@ def test_dp_shard_minus_one_takes_the_ranks_left_over():
 
 
 @pytest.mark.parametrize("recipe,world_sizes", [("tiny_cpu", (1, 2, 4, 8)), ("llama3_1b", (1, 8)),
-                                                ("llama3_8b", (8, 64))])
+                                                ("llama3_8b", (8, 64)), ("llama3_70b", (64, 128))])
 def test_recipes_validate_at_their_world_sizes(recipe, world_sizes):
     for world_size in world_sizes:
         check(compose([f"recipe={recipe}", "train.device=cpu"]), world_size)
 
 
-@pytest.mark.parametrize("recipe,world_size,key", [("llama3_70b", 64, "parallel.tp"),
-                                                   ("llama3_405b", 512, "parallel.tp")])
-def test_3d_recipes_pass_every_shape_check_and_wait_only_for_tp_pp(recipe, world_size, key):
+def test_405b_recipe_passes_every_shape_check_and_waits_only_for_pipeline_parallelism():
     with pytest.raises(ConfigError) as err:
-        check(compose([f"recipe={recipe}", "train.device=cpu"]), world_size)
-    assert err.value.key == key and "not available in this version" in str(err.value)
+        check(compose(["recipe=llama3_405b", "train.device=cpu"]), 512)
+    assert err.value.key == "parallel.pp" and "not available in this version" in str(err.value)
 
 
 # --- what a person sees: one line on stderr, a non-zero exit, no traceback ---------------------

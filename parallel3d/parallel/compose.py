@@ -3,9 +3,8 @@
 Order, applied to the model while it is still on the meta device:
     tensor parallel -> activation checkpointing -> torch.compile -> data parallel
 Data parallelism goes last because FSDP must see the final (tensor-parallel, checkpointed,
-compiled) blocks it shards. Tensor parallelism, activation checkpointing, compile and pipeline
-stages join this order in the 3D release; today only the data-parallel step exists, and
-validation refuses tp > 1 and pp > 1.
+compiled) blocks it shards: FSDP on top of tensor parallelism shards the tp-local DTensors
+over the data-parallel mesh dims, giving 2D (or, with HSDP, 3D) parameters.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from torch import nn
 
 from parallel3d.mesh import Meshes
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
+from parallel3d.parallel.tensor import apply_tensor_parallel
 from parallel3d.validate import DTYPES
 
 
@@ -31,5 +31,7 @@ def data_parallel_plan(parallel, train) -> DataParallelPlan:
 
 def parallelize(model: nn.Module, meshes: Meshes, parallel, train) -> None:
     """Apply every configured parallelism to ``model`` in place, in the order above."""
+    if meshes.tp is not None:
+        apply_tensor_parallel(model, meshes.tp, parallel.sequence_parallel)
     if meshes.dp is not None:
         apply_data_parallel(model, meshes.dp, meshes.fsdp, data_parallel_plan(parallel, train))

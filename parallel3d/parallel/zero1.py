@@ -18,17 +18,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 
-def _rows(param: DTensor, mesh: DeviceMesh) -> slice:
+def _rows(local: torch.Tensor, mesh: DeviceMesh) -> slice:
     """This rank's dim-0 rows under torch.chunk semantics (what Shard(0) means)."""
-    rows = param.shape[0]
+    rows = local.shape[0]
     per_rank = -(-rows // mesh.size())
     start = min(mesh.get_local_rank() * per_rank, rows)
     return slice(start, min(start + per_rank, rows))
 
 
 def _shard_view(tensor: DTensor, mesh: DeviceMesh) -> DTensor:
-    local = tensor.to_local()[_rows(tensor, mesh)]
-    return DTensor.from_local(local, mesh, [Shard(0)], shape=tensor.shape, stride=tensor.stride(), run_check=False)
+    """Rows of this rank's local tensor (the tp shard, under tensor parallelism) over the dp mesh."""
+    local = tensor.to_local()
+    return DTensor.from_local(local[_rows(local, mesh)], mesh, [Shard(0)], shape=local.shape,
+                              stride=local.stride(), run_check=False)
 
 
 def shard_optimizer_state(model: nn.Module, mesh: DeviceMesh, make_optimizer) -> torch.optim.Optimizer:
@@ -48,7 +50,7 @@ def shard_optimizer_state(model: nn.Module, mesh: DeviceMesh, make_optimizer) ->
     @torch.no_grad()
     def gather_parameters(opt, args, kwargs):
         for param, shard in zip(params, shards):
-            param.to_local().copy_(shard.full_tensor())
+            param.to_local().copy_(shard.full_tensor())  # all-gather over dp only
             shard.grad = None
 
     optimizer.register_step_pre_hook(take_gradients)

@@ -1,0 +1,92 @@
+"""Tensor parallelism: which layer is split how, as DTensor ``parallelize_module`` plans.
+
+Megatron-style: column-parallel q/k/v/w1/w3 (each rank computes some heads / some hidden units),
+row-parallel wo/w2 (partial sums reduced back), a vocabulary-parallel embedding and output
+projection, and the loss computed on vocab-sharded logits (``loss_parallel``) so the full logits
+never exist on one rank.
+
+With sequence parallelism (default) the residual stream between blocks is split along the
+sequence: norms run on 1/tp of the tokens, and the all-reduce after wo/w2 becomes a
+reduce-scatter plus an all-gather before the next column-parallel layer (same bytes, 1/tp of the
+activation memory). Without it the residual stream is replicated and wo/w2 all-reduce.
+
+    layer                   sequence parallel (default)              without
+    tok_embeddings          rowwise over vocab -> Shard(1) (seq)     rowwise over vocab -> Replicate
+    attention_norm/ffn_norm SequenceParallel                         replicated
+    attention/feed_forward  gather the sequence: Shard(1)->Replicate -
+    wq wk wv w1 w3          colwise                                  colwise
+    wo w2                   rowwise -> Shard(1)                      rowwise -> Replicate
+    norm                    SequenceParallel                         replicated
+    output                  colwise, Shard(1) in -> Shard(-1) out    colwise, Replicate in -> Shard(-1) out
+    (tied output)           norm output gathered, F.linear with the vocab-sharded embedding weight
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def residual_layout(sequence_parallel: bool):
+    """How the residual stream between blocks is laid out over the tp ranks."""
+    return Shard(1) if sequence_parallel else Replicate()
+
+
+def block_plan(sequence_parallel: bool) -> dict:
+    residual = residual_layout(sequence_parallel)
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+    }
+    if sequence_parallel:
+        plan |= {
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            # (x, cos, sin): gather x's sequence; the rotary tables are plain tensors, left alone.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        }
+    return plan
+
+
+def outer_plan(sequence_parallel: bool, tied: bool) -> dict:
+    residual = residual_layout(sequence_parallel)
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)}
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if not tied:
+        plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``model``'s blocks (those this pipeline stage holds) and outer layers over ``tp_mesh``."""
+    tied = model.output is None
+    present = {name for name, _ in model.named_children() if getattr(model, name) is not None}
+    outer = {k: v for k, v in outer_plan(sequence_parallel, tied).items() if k in present}
+    if outer:
+        parallelize_module(model, tp_mesh, outer)
+    if tied and "norm" in present:
+        # The tied projection is F.linear with the embedding weight, which the embedding plan
+        # already sharded over the vocabulary (Shard(0), as colwise would): give it the whole
+        # sequence as a DTensor and DTensor returns vocab-sharded logits.
+        parallelize_module(model.norm, tp_mesh, PrepareModuleOutput(
+            output_layouts=residual_layout(sequence_parallel), desired_output_layouts=Replicate(),
+            use_local_output=False))
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
