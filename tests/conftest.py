@@ -76,9 +76,42 @@ def runs_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
 
+class Parity:
+    """Runs layouts once each and compares them with the single-process run of the same model."""
+
+    def __init__(self, root: Path):
+        self.root, self.runs = root, {}
+
+    def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
+        if name not in self.runs:
+            run = launch(self.root / name, [*FAST, *overrides, "train.save_model=true"], nproc=nproc)
+            run.assert_finished(10)
+            self.runs[name] = run
+        return self.runs[name]
+
+    def reference(self, tied: bool = False) -> Run:
+        return self.run(f"reference-tied{tied}", 1, [f"model.tie_embeddings={tied}", "train.micro_batch_size=16"])
+
+    def assert_same_training(self, run: Run, tied: bool = False) -> None:
+        """Per-step losses and grad norms within relative 1e-5, final weights within 1e-5."""
+        from safetensors.torch import load_file
+        import torch
+
+        reference = self.reference(tied)
+        assert relative_error(run.losses, reference.losses) < 1e-5, (run.losses, reference.losses)
+        norms = [r["grad_norm"] for r in run.metrics]
+        assert relative_error(norms, [r["grad_norm"] for r in reference.metrics]) < 1e-5
+        weights = load_file(str(run.run_dir / "model.safetensors"))
+        torch.testing.assert_close(weights, load_file(str(reference.run_dir / "model.safetensors")),
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="session")
-def reference_run(runs_root) -> Run:
-    """The single-process run every data-parallel layout must reproduce (shared, run once)."""
-    run = launch(runs_root / "reference", [*FAST, "train.micro_batch_size=16", "train.save_model=true"])
-    run.assert_finished(10)
-    return run
+def parity(runs_root) -> Parity:
+    return Parity(runs_root)
+
+
+@pytest.fixture(scope="session")
+def reference_run(parity) -> Run:
+    """The single-process run every layout must reproduce (shared, run once)."""
+    return parity.reference()

@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from conftest import FAST, launch, relative_error
 from parallel3d.config import compose
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.models import Transformer
@@ -37,9 +36,6 @@ LAYOUTS = {
     "dp2-zero3-sizewrap": (2, ["parallel.zero_stage=3", "parallel.fsdp_wrap=size", "parallel.fsdp_min_params=100000",
                                "train.micro_batch_size=8"]),
 }
-
-_runs: dict = {}
-
 
 @pytest.fixture
 def fake_world():
@@ -66,27 +62,14 @@ def test_wrap_policy_decides_the_fsdp_units(fake_world, wrap, units):
 
 
 @pytest.fixture(params=list(LAYOUTS))
-def layout_run(request, runs_root):
-    name = request.param
-    if name not in _runs:
-        nproc, overrides = LAYOUTS[name]
-        run = launch(runs_root / name, [*FAST, *overrides, "train.save_model=true"], nproc=nproc)
-        run.assert_finished(10)
-        _runs[name] = run
-    return name, _runs[name]
+def layout_run(request, parity):
+    nproc, overrides = LAYOUTS[request.param]
+    return request.param, parity.run(request.param, nproc, overrides)
 
 
 @pytest.mark.multirank
-def test_losses_and_final_weights_match_single_process(layout_run, reference_run):
-    name, run = layout_run
-    assert relative_error(run.losses, reference_run.losses) < 1e-5, (run.losses, reference_run.losses)
-    norms, ref_norms = [r["grad_norm"] for r in run.metrics], [r["grad_norm"] for r in reference_run.metrics]
-    assert relative_error(norms, ref_norms) < 1e-5
-    weights = load_file(str(run.run_dir / "model.safetensors"))
-    reference = load_file(str(reference_run.run_dir / "model.safetensors"))
-    assert weights.keys() == reference.keys()
-    for key in reference:
-        torch.testing.assert_close(weights[key], reference[key], rtol=1e-5, atol=1e-5, msg=key)
+def test_losses_and_final_weights_match_single_process(layout_run, parity):
+    parity.assert_same_training(layout_run[1])
 
 
 def _ideal(reference: dict, stage: int, dp: int, dp_shard: int) -> dict:
@@ -111,13 +94,8 @@ def test_model_state_memory_is_ideal_for_the_zero_stage(layout_run, reference_ru
 
 
 @pytest.mark.multirank
-def test_tied_embeddings_train_identically_under_fsdp(runs_root):
-    tied = [*FAST, "model.tie_embeddings=true", "train.save_model=true"]
-    single = launch(runs_root / "tied-single", [*tied, "train.micro_batch_size=16"])
-    sharded = launch(runs_root / "tied-dp2-zero3", [*tied, "parallel.zero_stage=3", "train.micro_batch_size=8"],
-                     nproc=2)
-    single.assert_finished(10), sharded.assert_finished(10)
-    assert relative_error(sharded.losses, single.losses) < 1e-5
-    weights = load_file(str(sharded.run_dir / "model.safetensors"))
-    assert "output.weight" not in weights  # one matrix, trained as both embedding and projection
-    torch.testing.assert_close(weights, load_file(str(single.run_dir / "model.safetensors")), rtol=1e-5, atol=1e-5)
+def test_tied_embeddings_train_identically_under_fsdp(parity):
+    run = parity.run("tied-dp2-zero3", 2, ["model.tie_embeddings=true", "parallel.zero_stage=3",
+                                           "train.micro_batch_size=8"])
+    parity.assert_same_training(run, tied=True)
+    assert "output.weight" not in load_file(str(run.run_dir / "model.safetensors"))  # one matrix, used twice
