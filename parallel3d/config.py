@@ -66,7 +66,11 @@ class ParallelConfig:
     fsdp_prefetch: int = 0  # explicit forward/backward prefetch of N blocks; 0 = FSDP's default
     cpu_offload: bool = False
     pp_schedule: str = "1F1B"
+    # Microbatches per schedule step; default: all of a rank's micro batches in one step. Fewer
+    # (a divisor) runs several schedule steps per optimizer step: gradient accumulation.
     pp_microbatches: Optional[int] = None
+    pp_stages_per_rank: Optional[int] = None  # looped schedules: default 2; V schedules: always 2
+    pp_layers_per_stage: Optional[list[int]] = None  # blocks per stage; default: even, embedding/output count as 1
 
 
 @dataclass

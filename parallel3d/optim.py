@@ -6,6 +6,7 @@ import math
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -52,14 +53,15 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim, steps: int) -> t
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip to a global norm over every shard of every gradient; returns the norm before clipping.
 
     Sharded (DTensor) gradients give a partial norm per rank; ``full_tensor()`` reduces it over
     the mesh, so each rank clips by the same, global, value. Plain tensors (say, norm weights
     replicated under tensor parallelism without sequence parallelism) are complete on every rank
-    and add their own norm; the two kinds cannot share one foreach kernel. ``max_norm=0`` only
-    measures.
+    and add their own norm; the two kinds cannot share one foreach kernel. Under pipeline
+    parallelism the squares of every stage's norm are summed over ``pp_group``. ``max_norm=0``
+    only measures.
     """
     with_grad = [p for p in params if p.grad is not None]  # torch's clip_grad_norm_ takes a generator too
     groups = [g for g in ([p for p in with_grad if isinstance(p.grad, DTensor)],
@@ -67,6 +69,10 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in groups]
     norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
     norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if pp_group is not None:  # each pipeline rank holds other layers: add their squares
+        norm = norm**2
+        dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
+        norm = norm.sqrt()
     if max_norm > 0:
         for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)

@@ -31,10 +31,11 @@ from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
-from parallel3d.models import Transformer, flops_per_token, num_params
+from parallel3d.models import Transformer, flops_per_token
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from parallel3d.parallel import parallelize
 from parallel3d.parallel.data import set_gradient_sync
+from parallel3d.parallel.pipeline import build_parts, build_schedule, num_stages
 from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
 
 
@@ -90,11 +91,28 @@ def train(cfg: DictConfig) -> Path:
 
     dims = ParallelDims.from_config(c.parallel)
     meshes = build_mesh(dims, device.type)
-    with torch.device("meta"):
-        model = Transformer(c.model)
-    parallelize(model, meshes, c.parallel, t)
-    model.to_empty(device=device)
-    model.init_weights(t.seed)
+    spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
+    tokens_per_rank = spec.local_batch_size * t.seq_len  # loss is a mean over the global batch's tokens
+    global_tokens = t.global_batch_size * t.seq_len
+
+    def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
+
+    if meshes.pp is not None:  # this rank's pipeline stages, each a slice of the model on meta
+        staged = build_parts(c.model, c.parallel, meshes.pp.get_local_rank())
+    else:
+        with torch.device("meta"):
+            staged = [(0, Transformer(c.model))]
+    for _, part in staged:
+        parallelize(part, meshes, c.parallel, t)
+        part.to_empty(device=device)
+        part.init_weights(t.seed)
+    pipeline = None
+    if meshes.pp is not None:
+        pipeline = build_schedule(staged, num_stages(c.parallel), c.parallel.pp_schedule,
+                                  c.parallel.pp_microbatches or spec.num_micro_batches, token_loss, device,
+                                  meshes.pp.get_group())
+    model = staged[0][1] if pipeline is None else torch.nn.ModuleList(pipeline.parts)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, c.optim, meshes, c.parallel.zero_stage)
     scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
@@ -105,10 +123,7 @@ def train(cfg: DictConfig) -> Path:
         dist.barrier()
     if not is_rank0:
         corpus = open_corpus(c.data)
-    spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
     sampler = StepSampler(corpus.tokens, spec, t.seed)
-    tokens_per_rank = spec.local_batch_size * t.seq_len  # loss is a mean over the global batch's tokens
-    global_tokens = t.global_batch_size * t.seq_len
 
     # With data parallelism the FSDP/replicate mixed-precision policy casts; alone, autocast does.
     autocast = (torch.autocast(device.type, dtype=DTYPES[t.param_dtype])
@@ -122,7 +137,7 @@ def train(cfg: DictConfig) -> Path:
         is_rank0 and c.logging.wandb.enabled) else None
     logger = MetricsLogger(run_dir, t.steps, is_rank0, wandb_run)
     if is_rank0:
-        print(f"parallel3d | {c.recipe or 'custom'} | model {c.model.name} {num_params(model) / 1e6:.2f}M params | "
+        print(f"parallel3d | {c.recipe or 'custom'} | model {c.model.name} | "
               f"{world_size} ranks {dims.sizes()} zero_stage {c.parallel.zero_stage} | {device.type} | "
               f"run_dir {run_dir}", flush=True)
 
@@ -131,18 +146,27 @@ def train(cfg: DictConfig) -> Path:
     for step in range(1, t.steps + 1):
         loss_sum = torch.zeros((), device=device)
         micro_batches = sampler.micro_batches(step)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            set_gradient_sync(model, i == len(micro_batches) - 1, c.parallel.zero_stage)
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            with vocab_parallel():
-                with autocast:
-                    logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-                loss = loss / tokens_per_rank
-                loss.backward()
-            loss = loss.detach()
-            loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
-        grad_norm = clip_grad_norm_(params, t.grad_clip)
+        if pipeline is None:
+            for i, (inputs, targets) in enumerate(micro_batches):
+                set_gradient_sync(model, i == len(micro_batches) - 1, c.parallel.zero_stage)
+                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                with vocab_parallel():
+                    with autocast:
+                        loss = token_loss(model(inputs), targets)
+                    loss.backward()
+                loss_sum += _local(loss.detach())
+        else:  # each schedule step runs pipeline.microbatches micro batches through all stages
+            for k in range(0, len(micro_batches), pipeline.microbatches):
+                chunk = micro_batches[k : k + pipeline.microbatches]
+                inputs = torch.cat([x for x, _ in chunk]).to(device, non_blocking=True)
+                targets = torch.cat([y for _, y in chunk]).to(device, non_blocking=True)
+                losses: list[torch.Tensor] = []  # filled on the rank holding the last stage only
+                with vocab_parallel(), autocast:
+                    pipeline.schedule.step(*([inputs] if pipeline.has_first_stage else []), target=targets,
+                                           losses=losses)
+                for loss in losses:
+                    loss_sum += _local(loss.detach())
+        grad_norm = clip_grad_norm_(params, t.grad_clip, pp_group=meshes.pp.get_group() if meshes.pp else None)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -154,6 +178,8 @@ def train(cfg: DictConfig) -> Path:
         if step % c.logging.log_every and step != t.steps:
             continue
         loss_avg = loss_sum.clone()
+        if meshes.pp is not None:  # only the last stage computed a loss
+            dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
         if meshes.dp is not None:
             dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=meshes.dp.get_group())
         loss_value, norm_value = loss_avg.item(), grad_norm.item()
@@ -175,16 +201,32 @@ def train(cfg: DictConfig) -> Path:
         })
     logger.close()
     if t.save_model:
-        save_full_model(model, run_dir / "model.safetensors", is_rank0)
+        parts = [model] if pipeline is None else pipeline.parts
+        save_full_model(parts, meshes.pp, run_dir / "model.safetensors", is_rank0)
     return run_dir
 
 
-def save_full_model(model, path: Path, is_rank0: bool) -> None:
-    """Gather the full weights onto rank 0 (in CPU memory) and write them as safetensors."""
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
+
+
+def save_full_model(parts, pp_mesh, path: Path, is_rank0: bool) -> None:
+    """Gather the full weights of every stage onto rank 0 and write them as safetensors.
+
+    For small models and tests (it holds the whole model in CPU memory); checkpoints of large
+    models are sharded.
+    """
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = {}
+    for part in parts:  # full_state_dict gathers each stage's FSDP / TP shards (a collective)
+        part_state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        state.update({k: v.detach().cpu() for k, v in part_state.items()})
+    if pp_mesh is not None:
+        stage_states = [None] * pp_mesh.size()
+        dist.all_gather_object(stage_states, state, group=pp_mesh.get_group())
+        state = {k: v for s in stage_states for k, v in s.items()}
     if is_rank0:
         save_file({k: v.contiguous() for k, v in state.items()}, str(path))
 

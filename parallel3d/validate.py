@@ -45,8 +45,8 @@ def check(cfg, world_size: int) -> None:
     _check_degrees(cfg.parallel, world_size)
     _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
     _check_data_parallel(cfg.parallel, cfg.train)
-    _check_pipeline(cfg.parallel)
     _check_batch(cfg.train, cfg.parallel, cfg.model)
+    _check_pipeline(cfg.parallel, cfg.train, cfg.model)
     _check_optim(cfg.optim, cfg.train.steps)
     _check_data(cfg.data, cfg.model)
     _check_logging(cfg.logging)
@@ -112,9 +112,6 @@ def _check_model(m, tp: int, pp: int) -> None:
             ok = [d for d in divisors(size) if d <= 64]
             raise ConfigError("parallel.tp", tp, f"tensor parallelism splits model.{key}={size} across tp ranks "
                               f"and it is not divisible", f"choose parallel.tp from {ok}")
-    if pp > m.n_layers:
-        raise ConfigError("parallel.pp", pp, f"more pipeline stages than model.n_layers={m.n_layers}",
-                          f"use parallel.pp <= {m.n_layers}")
 
 
 def _check_data_parallel(p, t) -> None:
@@ -148,18 +145,58 @@ def _check_data_parallel(p, t) -> None:
                               "run trains on the CPU already", "set parallel.cpu_offload=false, or train on a GPU")
 
 
-def _check_pipeline(p) -> None:
+def _check_pipeline(p, t, m) -> None:
+    from parallel3d.parallel.pipeline import V_SCHEDULES, is_single_stage, layer_split, stages_per_rank
+
     if p.pp_schedule not in PP_SCHEDULES:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule, "unknown pipeline schedule",
                           f"use one of {', '.join(PP_SCHEDULES)}")
     if p.pp_microbatches is not None and p.pp_microbatches < 1:
         raise ConfigError("parallel.pp_microbatches", p.pp_microbatches, "must be >= 1",
                           "use at least parallel.pp microbatches")
-    # Pipeline parallelism composes with the others in the next release (issue 3). Its shape
-    # constraints are checked above already, so recipes that use it can be validated today.
-    if p.pp > 1:
-        raise ConfigError("parallel.pp", p.pp, "pipeline parallelism is not available in this version yet",
-                          "use parallel.pp=1 and data parallelism (dp_shard/dp_replicate)")
+    if p.pp == 1:
+        return
+    name = p.pp_schedule
+    if p.pp_stages_per_rank is not None:
+        wanted = 1 if is_single_stage(name) else 2 if name in V_SCHEDULES else None
+        if p.pp_stages_per_rank < 1 or (wanted and p.pp_stages_per_rank != wanted):
+            raise ConfigError("parallel.pp_stages_per_rank", p.pp_stages_per_rank,
+                              f"parallel.pp_schedule={name} runs {wanted or 'one or more'} stage(s) per rank",
+                              "leave it unset, or pick a looped schedule (Interleaved1F1B) for other counts")
+    stages = p.pp * stages_per_rank(name, p.pp_stages_per_rank)
+    if stages > m.n_layers + 2:
+        raise ConfigError("parallel.pp", p.pp, f"{stages} pipeline stages for model.n_layers={m.n_layers} blocks "
+                          f"plus embedding and output", f"use at most {m.n_layers + 2} stages in all")
+    if p.pp_layers_per_stage is not None:
+        counts = list(p.pp_layers_per_stage)
+        if len(counts) != stages or sum(counts) != m.n_layers or min(counts) < 0:
+            raise ConfigError("parallel.pp_layers_per_stage", counts, f"needs {stages} non-negative block counts "
+                              f"(pp x stages per rank) summing to model.n_layers={m.n_layers}",
+                              "list the blocks of every stage, first to last")
+    split = layer_split(m.n_layers, stages, p.pp_layers_per_stage)
+    empty = [i for i, blocks in enumerate(split) if not blocks and 0 < i < stages - 1]
+    if empty:
+        raise ConfigError("parallel.pp", p.pp, f"stage {empty[0]} of {stages} would hold no block",
+                          "use fewer stages or set parallel.pp_layers_per_stage")
+    if m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings", True, "the embedding (first stage) and the output projection "
+                          "(last stage) would live on different ranks, and tying them across pipeline stages "
+                          "is not supported", "set model.tie_embeddings=false, or parallel.pp=1")
+    dp = p.dp_replicate * p.dp_shard
+    micro_batches = t.global_batch_size // dp // t.micro_batch_size
+    n = p.pp_microbatches or micro_batches
+    if micro_batches % n:
+        raise ConfigError("parallel.pp_microbatches", n, f"does not divide the {micro_batches} micro batches of "
+                          f"a rank (global batch / dp / micro batch)", f"use a divisor of {micro_batches}")
+    needed = {"GPipe": 1, "DualPipeV": stages}.get(name, p.pp)
+    if n < needed:
+        raise ConfigError("parallel.pp_microbatches", n, f"parallel.pp_schedule={name} needs at least {needed} "
+                          f"microbatches per step", f"raise train.global_batch_size or lower train.micro_batch_size "
+                          f"so each rank has {needed} or more")
+    rounds = max(1, n // p.pp)
+    if not is_single_stage(name) and n % rounds:
+        raise ConfigError("parallel.pp_microbatches", n, f"{name} runs microbatches in rounds of "
+                          f"parallel.pp={p.pp}", f"use a multiple of {p.pp}")
 
 
 def _check_batch(t, p, m) -> None:

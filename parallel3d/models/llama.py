@@ -60,6 +60,8 @@ class Attention(nn.Module):
         # Head counts come from the tensors, not the config: under tensor parallelism a rank
         # holds only its share of the heads.
         q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
+        # The whole sequence is here (sequence parallelism gathers it before attention).
+        cos, sin = cos[: q.shape[2]], sin[: q.shape[2]]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
@@ -104,11 +106,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq_len = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-        h = self.tok_embeddings(tokens)
+        """Tokens to logits; a pipeline stage maps its input (tokens or hidden states) to its output."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, self.rope_cos, self.rope_sin)
+        if self.norm is None:  # not the last stage: pass hidden states on
+            return h
         h = self.norm(h)
         return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
 
@@ -119,7 +122,7 @@ class Transformer(nn.Module):
             torch.arange(self.cfg.max_seq_len, dtype=torch.float32),
             rope_frequencies(self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta, self.cfg.rope_scaling),
         )
-        device = self.tok_embeddings.weight.device
+        device = self.rope_cos.device  # every pipeline stage has the buffers, not every stage the embedding
         self.rope_cos = angles.cos().to(device)
         self.rope_sin = angles.sin().to(device)
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)

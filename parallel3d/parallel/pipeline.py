@@ -1,0 +1,133 @@
+"""Pipeline parallelism: split the model into stages and run them with torch's schedules.
+
+A stage is the full model built on the meta device with the blocks (and embedding, norm, output)
+it does not own deleted. Blocks live in an ``nn.ModuleDict`` keyed by their index, so a stage's
+parameters keep the names they have in the full model and checkpoints do not depend on the split.
+
+Stages per rank: single-stage schedules (GPipe, 1F1B) give each pp rank one stage. Looped
+schedules (Interleaved1F1B, InterleavedZeroBubble) give rank r the stages r, r+pp, r+2pp, ...
+V schedules (ZBVZeroBubble, DualPipeV) give rank r exactly two: r and 2pp-1-r, so the first
+and last stages share rank 0.
+
+The layer split counts the embedding and the output projection as one layer each, so the first
+and last stages carry one block fewer when the split is even; ``parallel.pp_layers_per_stage``
+sets the blocks per stage explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from parallel3d.config import ModelConfig
+from parallel3d.models import Transformer
+
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def is_single_stage(schedule: str) -> bool:
+    return issubclass(SCHEDULES[schedule], PipelineScheduleSingle)
+
+
+def stages_per_rank(schedule: str, configured: int | None) -> int:
+    if is_single_stage(schedule):
+        return 1
+    if schedule in V_SCHEDULES:
+        return 2
+    return configured or 2
+
+
+def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def layer_split(n_layers: int, num_stages: int, explicit: list[int] | None = None) -> list[range]:
+    """The blocks each stage holds, in order."""
+    if explicit:
+        counts = list(explicit)
+    else:
+        base, extra = divmod(n_layers + 2, num_stages)  # + embedding + output
+        counts = [base + (i < extra) for i in range(num_stages)]
+        counts[0] -= 1
+        counts[-1] -= 1
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def stage_model(cfg: ModelConfig, stage: int, num_stages: int, layers: range) -> Transformer:
+    """The part of the model that ``stage`` runs, on the meta device, with full-model names."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for name in list(model.layers):
+        if int(name) not in layers:
+            del model.layers[name]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != num_stages - 1:
+        model.norm = None
+        model.output = None
+    return model
+
+
+@dataclass
+class Pipeline:
+    parts: list[nn.Module]  # this rank's stage modules, in stage order
+    stages: list[PipelineStage]
+    schedule: object
+    microbatches: int  # per schedule step
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+
+def num_stages(parallel) -> int:
+    return parallel.pp * stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
+
+
+def build_parts(cfg: ModelConfig, parallel, pp_rank: int) -> list[tuple[int, Transformer]]:
+    """(stage index, stage module on meta) for each stage this pp rank runs."""
+    total = num_stages(parallel)
+    split = layer_split(cfg.n_layers, total, parallel.pp_layers_per_stage)
+    ids = stage_ids(pp_rank, parallel.pp, total // parallel.pp, parallel.pp_schedule)
+    return [(i, stage_model(cfg, i, total, split[i])) for i in ids]
+
+
+def build_schedule(parts: list[tuple[int, nn.Module]], num_stages: int, schedule: str, microbatches: int,
+                   loss_fn, device: torch.device, pp_group) -> Pipeline:
+    """PipelineStages for the (parallelized, materialized) parts, driven by ``schedule``.
+
+    Gradients are not scaled by the schedule: the loss is already normalized by the global
+    batch's token count, so summing the microbatches' gradients is exact.
+    """
+    stages = [PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in parts]
+    cls = SCHEDULES[schedule]
+    runner = cls(stages[0] if is_single_stage(schedule) else stages, microbatches, loss_fn=loss_fn,
+                 scale_grads=False)
+    return Pipeline([module for _, module in parts], stages, runner, microbatches)
