@@ -1,0 +1,96 @@
+"""Pipeline parallelism with every schedule, alone and composed with dp and tp, trains to the
+single-process numbers; the combinations torch computes wrongly are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel3d.config import compose
+from parallel3d.parallel.pipeline import layer_split, stage_ids, stage_model
+from parallel3d.validate import ConfigError, check
+
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+ZERO_BUBBLE = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+# name: (ranks, overrides). Global batch 16, micro batch 2: 8 microbatches per dp rank at dp 1.
+LAYOUTS = {f"pp2-{s}": (2, ["parallel.pp=2", f"parallel.pp_schedule={s}", "train.micro_batch_size=2"])
+           for s in SCHEDULES}
+LAYOUTS |= {
+    "pp2-1F1B-accum": (2, ["parallel.pp=2", "parallel.pp_microbatches=4", "train.micro_batch_size=2"]),
+    "pp2-1F1B-uneven": (2, ["parallel.pp=2", "parallel.pp_layers_per_stage=[1,3]", "train.micro_batch_size=2"]),
+    "pp2-Interleaved1F1B-3-per-rank": (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B",
+                                           "parallel.pp_stages_per_rank=3", "train.micro_batch_size=2"]),
+    "tp2-pp2-1F1B": (4, ["parallel.tp=2", "parallel.pp=2", "train.micro_batch_size=2"]),
+    "tp2-pp2-ZBVZeroBubble": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble",
+                                  "train.micro_batch_size=2"]),
+    "dp2-tp2-pp2-1F1B": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=3",
+                             "train.micro_batch_size=2"]),
+    "dp2-tp2-pp2-Interleaved1F1B": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=2",
+                                        "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=2"]),
+}
+# dp2 x pp2: every schedule with every ZeRO stage that validation allows.
+LAYOUTS |= {f"dp2-pp2-{s}-zero{z}": (4, ["parallel.pp=2", f"parallel.pp_schedule={s}", f"parallel.zero_stage={z}",
+                                         "train.micro_batch_size=2"])
+            for s in SCHEDULES for z in range(4) if not (z == 3 and s in ZERO_BUBBLE)}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_matches_single_process(name, parity):
+    nproc, overrides = LAYOUTS[name]
+    parity.assert_same_training(parity.run(name, nproc, overrides))
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_zero_bubble_schedules_with_zero3_are_refused(schedule):
+    with pytest.raises(ConfigError) as err:
+        check(compose(["parallel.pp=2", f"parallel.pp_schedule={schedule}", "parallel.zero_stage=3",
+                       "train.micro_batch_size=2"]), 4)
+    assert err.value.key == "parallel.zero_stage" and "zero_stage=2" in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,world_size,key", [
+    (["parallel.pp=4", "train.micro_batch_size=8"], 4, "parallel.pp_microbatches"),  # 1F1B: 2 < 4 stages
+    (["parallel.pp=2", "parallel.pp_schedule=DualPipeV", "train.micro_batch_size=8"], 2, "parallel.pp_microbatches"),
+    (["parallel.pp=2", "parallel.pp_microbatches=3", "train.micro_batch_size=2"], 2, "parallel.pp_microbatches"),
+    (["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_stages_per_rank=3"], 2,
+     "parallel.pp_stages_per_rank"),
+    (["parallel.pp=2", "parallel.pp_layers_per_stage=[1,1]"], 2, "parallel.pp_layers_per_stage"),
+    (["parallel.pp=2", "model.tie_embeddings=true"], 2, "model.tie_embeddings"),
+    (["parallel.pp=4", "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=1"], 4, "parallel.pp"),
+])
+def test_impossible_pipelines_are_refused(overrides, world_size, key):
+    with pytest.raises(ConfigError) as err:
+        check(compose(overrides), world_size)
+    assert err.value.key == key, str(err.value)
+
+
+def test_as_many_microbatches_as_stages_is_enough_for_1f1b():
+    check(compose(["parallel.pp=2", "train.micro_batch_size=8"]), 2)  # 16 / 8 = 2 microbatches, 2 stages
+
+
+def test_layer_split_counts_embedding_and_output_as_layers():
+    assert layer_split(4, 2) == [range(0, 2), range(2, 4)]
+    assert [len(r) for r in layer_split(8, 4)] == [2, 3, 2, 1]  # 10 units: 3,3,2,2 less embedding and output
+    assert [len(r) for r in layer_split(6, 4)] == [1, 2, 2, 1]  # 8 units, 2 each; ends carry embedding/output
+    assert layer_split(4, 2, [1, 3]) == [range(0, 1), range(1, 4)]
+
+
+def test_stage_placement_looped_and_v():
+    assert [stage_ids(r, 4, 2, "Interleaved1F1B") for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [stage_ids(r, 4, 2, "ZBVZeroBubble") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+def test_stages_keep_full_model_parameter_names():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_object(compose([]).model)
+    first, last = stage_model(cfg, 0, 2, range(0, 2)), stage_model(cfg, 1, 2, range(2, 4))
+    names = [n for n, _ in first.named_parameters()] + [n for n, _ in last.named_parameters()]
+    from parallel3d.models import Transformer
+    import torch
+
+    with torch.device("meta"):
+        full = [n for n, _ in Transformer(cfg).named_parameters()]
+    assert sorted(names) == sorted(full)
+    assert "layers.3.attention.wq.weight" in dict(last.named_parameters())
