@@ -47,6 +47,9 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
+    activation_checkpoint: str = "none"  # none | full | selective (every Nth block) | op (save matmuls)
+    activation_checkpoint_every: int = 2
+    compile: bool = False  # torch.compile each transformer block
 
 
 @dataclass

@@ -99,6 +99,14 @@ def _check_model(m, tp: int, pp: int) -> None:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key}", getattr(m, key), "must be positive", "use a positive size")
+    from parallel3d.parallel.activation import AC_MODES
+
+    if m.activation_checkpoint not in AC_MODES:
+        raise ConfigError("model.activation_checkpoint", m.activation_checkpoint, "unknown mode",
+                          f"use one of {', '.join(AC_MODES)}")
+    if m.activation_checkpoint_every < 1:
+        raise ConfigError("model.activation_checkpoint_every", m.activation_checkpoint_every, "must be >= 1",
+                          "checkpoint every N >= 1 blocks")
     if m.dim % m.n_heads:
         raise ConfigError("model.dim", m.dim, f"not divisible by model.n_heads={m.n_heads}",
                           f"choose n_heads from {divisors(m.dim)}")
@@ -108,6 +116,10 @@ def _check_model(m, tp: int, pp: int) -> None:
     if m.n_heads % m.n_kv_heads:
         raise ConfigError("model.n_kv_heads", m.n_kv_heads, f"grouped-query attention needs it to divide "
                           f"model.n_heads={m.n_heads}", f"choose n_kv_heads from {divisors(m.n_heads)}")
+    if m.compile and tp > 1:
+        raise ConfigError("model.compile", True, f"compiled blocks under parallel.tp={tp} fail in backward in "
+                          f"torch {torch.__version__.split('+')[0]} (DTensor redistribute receives a plain tensor)",
+                          "set model.compile=false with tensor parallelism; compile works with dp and pp")
     for key in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "dim"):
         size = getattr(m, key)
         if size % tp:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from parallel3d.mesh import Meshes
+from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.tensor import apply_tensor_parallel
 from parallel3d.validate import DTYPES
@@ -30,8 +31,12 @@ def data_parallel_plan(parallel, train) -> DataParallelPlan:
 
 
 def parallelize(model: nn.Module, meshes: Meshes, parallel, train) -> None:
-    """Apply every configured parallelism to ``model`` in place, in the order above."""
+    """Apply every configured parallelism to ``model`` (the whole model, or one pipeline stage) in
+    place, in the order above. Activation checkpointing and compile read the model's own config."""
     if meshes.tp is not None:
         apply_tensor_parallel(model, meshes.tp, parallel.sequence_parallel)
+    apply_activation_checkpointing(model, model.cfg.activation_checkpoint, model.cfg.activation_checkpoint_every)
+    if model.cfg.compile:
+        compile_blocks(model)
     if meshes.dp is not None:
         apply_data_parallel(model, meshes.dp, meshes.fsdp, data_parallel_plan(parallel, train))
