@@ -120,3 +120,12 @@ def test_a_new_run_in_an_old_run_dir_starts_a_fresh_record(tmp_path):
     for _ in range(2):
         run = launch(tmp_path / "again", [*FAST, "train.steps=2"])
     assert [r["step"] for r in run.metrics] == [1, 2]
+
+
+@pytest.mark.multirank
+def test_3d_recipe_trains_like_the_default_recipe(tmp_path):
+    short = ["train.steps=3", "optim.warmup_steps=1"]
+    single = launch(tmp_path / "default", short)
+    three_d = launch(tmp_path / "3d", ["recipe=tiny_cpu_3d", *short], nproc=8, launcher="parallel3d-run")
+    single.assert_finished(3), three_d.assert_finished(3)
+    assert relative_error(three_d.losses, single.losses) < 1e-5

@@ -103,16 +103,11 @@ def test_dp_shard_minus_one_takes_the_ranks_left_over():
 
 
 @pytest.mark.parametrize("recipe,world_sizes", [("tiny_cpu", (1, 2, 4, 8)), ("llama3_1b", (1, 8)),
-                                                ("llama3_8b", (8, 64)), ("llama3_70b", (64, 128))])
+                                                ("llama3_8b", (8, 64)), ("llama3_70b", (64, 128)),
+                                                ("llama3_405b", (512,)), ("tiny_cpu_3d", (8,))])
 def test_recipes_validate_at_their_world_sizes(recipe, world_sizes):
     for world_size in world_sizes:
         check(compose([f"recipe={recipe}", "train.device=cpu"]), world_size)
-
-
-def test_405b_recipe_passes_every_shape_check_and_waits_only_for_pipeline_parallelism():
-    with pytest.raises(ConfigError) as err:
-        check(compose(["recipe=llama3_405b", "train.device=cpu"]), 512)
-    assert err.value.key == "parallel.pp" and "not available in this version" in str(err.value)
 
 
 # --- what a person sees: one line on stderr, a non-zero exit, no traceback ---------------------
