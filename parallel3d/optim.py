@@ -53,7 +53,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim, steps: int) -> t
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, pp_group=None, uncounted=()) -> torch.Tensor:
     """Clip to a global norm over every shard of every gradient; returns the norm before clipping.
 
     Sharded (DTensor) gradients give a partial norm per rank; ``full_tensor()`` reduces it over
@@ -61,12 +61,15 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
     replicated under tensor parallelism without sequence parallelism) are complete on every rank
     and add their own norm; the two kinds cannot share one foreach kernel. Under pipeline
     parallelism the squares of every stage's norm are summed over ``pp_group``. ``max_norm=0``
-    only measures.
+    only measures. ``uncounted`` parameters (a second copy of a tied matrix) are clipped but
+    not counted again.
     """
     with_grad = [p for p in params if p.grad is not None]  # torch's clip_grad_norm_ takes a generator too
     groups = [g for g in ([p for p in with_grad if isinstance(p.grad, DTensor)],
                           [p for p in with_grad if not isinstance(p.grad, DTensor)]) if g]
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in groups]
+    skip = {id(p) for p in uncounted}
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group if id(p) not in skip], foreach=True)
+             for group in groups]
     norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
     norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if pp_group is not None:  # each pipeline rank holds other layers: add their squares

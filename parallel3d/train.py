@@ -35,7 +35,7 @@ from parallel3d.models import Transformer, flops_per_token
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from parallel3d.parallel import parallelize
 from parallel3d.parallel.data import set_gradient_sync
-from parallel3d.parallel.pipeline import build_parts, build_schedule, num_stages
+from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts, build_schedule, num_stages
 from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
 
 
@@ -112,6 +112,9 @@ def train(cfg: DictConfig) -> Path:
         pipeline = build_schedule(staged, num_stages(c.parallel), c.parallel.pp_schedule,
                                   c.parallel.pp_microbatches or spec.num_micro_batches, token_loss, device,
                                   meshes.pp.get_group())
+    tied = None
+    if pipeline is not None and c.model.tie_embeddings:  # embedding on the first stage, its copy on the last
+        tied = TiedEmbeddings(pipeline.parts, meshes.world, c.parallel.pp_schedule in V_SCHEDULES)
     model = staged[0][1] if pipeline is None else torch.nn.ModuleList(pipeline.parts)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, c.optim, meshes, c.parallel.zero_stage)
@@ -166,7 +169,10 @@ def train(cfg: DictConfig) -> Path:
                                            losses=losses)
                 for loss in losses:
                     loss_sum += _local(loss.detach())
-        grad_norm = clip_grad_norm_(params, t.grad_clip, pp_group=meshes.pp.get_group() if meshes.pp else None)
+        if tied is not None:
+            tied.sync_gradients()
+        grad_norm = clip_grad_norm_(params, t.grad_clip, pp_group=meshes.pp.get_group() if meshes.pp else None,
+                                    uncounted=tied.output_copies if tied else ())
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

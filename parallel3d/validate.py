@@ -197,10 +197,6 @@ def _check_pipeline(p, t, m) -> None:
                           f"when ZeRO-3 has already resharded the parameters, and torch then trains to wrong "
                           f"numbers (measured: losses up to 45% off one process)",
                           "use parallel.zero_stage=2, or a GPipe/1F1B/Interleaved1F1B schedule")
-    if m.tie_embeddings:
-        raise ConfigError("model.tie_embeddings", True, "the embedding (first stage) and the output projection "
-                          "(last stage) would live on different ranks, and tying them across pipeline stages "
-                          "is not supported", "set model.tie_embeddings=false, or parallel.pp=1")
     dp = p.dp_replicate * p.dp_shard
     micro_batches = t.global_batch_size // dp // t.micro_batch_size
     n = p.pp_microbatches or micro_batches

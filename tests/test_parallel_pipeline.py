@@ -34,11 +34,29 @@ LAYOUTS |= {f"dp2-pp2-{s}-zero{z}": (4, ["parallel.pp=2", f"parallel.pp_schedule
             for s in SCHEDULES for z in range(4) if not (z == 3 and s in ZERO_BUBBLE)}
 
 
+# Tied embeddings: the first stage's embedding and the last stage's copy stay one matrix, whether
+# the two stages share a rank (V schedules) or not, under dp and tp too.
+TIED = {
+    "pp2-1F1B-tied": (2, ["parallel.pp=2"]),
+    "pp2-ZBVZeroBubble-tied": (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"]),
+    "dp2-pp2-zero3-tied": (4, ["parallel.pp=2", "parallel.zero_stage=3"]),
+    "tp2-pp2-tied": (4, ["parallel.pp=2", "parallel.tp=2"]),
+}
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_single_process(name, parity):
     nproc, overrides = LAYOUTS[name]
     parity.assert_same_training(parity.run(name, nproc, overrides))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", list(TIED))
+def test_tied_embeddings_match_single_process(name, parity):
+    nproc, overrides = TIED[name]
+    run = parity.run(name, nproc, [*overrides, "model.tie_embeddings=true", "train.micro_batch_size=2"])
+    parity.assert_same_training(run, tied=True)
 
 
 @pytest.mark.parametrize("schedule", ZERO_BUBBLE)
@@ -56,7 +74,6 @@ def test_zero_bubble_schedules_with_zero3_are_refused(schedule):
     (["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_stages_per_rank=3"], 2,
      "parallel.pp_stages_per_rank"),
     (["parallel.pp=2", "parallel.pp_layers_per_stage=[1,1]"], 2, "parallel.pp_layers_per_stage"),
-    (["parallel.pp=2", "model.tie_embeddings=true"], 2, "model.tie_embeddings"),
     (["parallel.pp=4", "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=1"], 4, "parallel.pp"),
 ])
 def test_impossible_pipelines_are_refused(overrides, world_size, key):

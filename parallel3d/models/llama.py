@@ -101,13 +101,16 @@ class Transformer(nn.Module):
         # Tied embeddings are one parameter used twice, not two modules sharing a weight:
         # to_empty() and sharding would silently untie a shared Parameter.
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # False on pipeline stages after the first: their input is hidden states. (The last stage
+        # of a tied model keeps tok_embeddings for its output projection only.)
+        self.embeds_input = True
         # Not persistent: recomputed by init_weights, never read from a checkpoint.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tokens to logits; a pipeline stage maps its input (tokens or hidden states) to its output."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.tok_embeddings(tokens) if self.embeds_input else tokens
         for block in self.layers.values():
             h = block(h, self.rope_cos, self.rope_sin)
         if self.norm is None:  # not the last stage: pass hidden states on

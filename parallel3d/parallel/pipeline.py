@@ -9,6 +9,10 @@ schedules (Interleaved1F1B, InterleavedZeroBubble) give rank r the stages r, r+p
 V schedules (ZBVZeroBubble, DualPipeV) give rank r exactly two: r and 2pp-1-r, so the first
 and last stages share rank 0.
 
+Tied embeddings: the last stage keeps ``tok_embeddings`` (same name, so same initial values and
+checkpoint key) as its output projection, and ``TiedEmbeddings`` sums the two copies' gradients
+after backward, so both take the same optimizer steps and stay equal.
+
 The layer split counts the embedding and the output projection as one layer each, so the first
 and last stages carry one block fewer when the split is even; ``parallel.pp_layers_per_stage``
 sets the blocks per stage explicitly.
@@ -19,8 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     Schedule1F1B,
@@ -84,7 +91,9 @@ def stage_model(cfg: ModelConfig, stage: int, num_stages: int, layers: range) ->
         if int(name) not in layers:
             del model.layers[name]
     if stage != 0:
-        model.tok_embeddings = None
+        model.embeds_input = False
+        if not (cfg.tie_embeddings and stage == num_stages - 1):
+            model.tok_embeddings = None  # (a tied last stage keeps it: it is the output projection)
     if stage != num_stages - 1:
         model.norm = None
         model.output = None
@@ -131,3 +140,41 @@ def build_schedule(parts: list[tuple[int, nn.Module]], num_stages: int, schedule
     runner = cls(stages[0] if is_single_stage(schedule) else stages, microbatches, loss_fn=loss_fn,
                  scale_grads=False)
     return Pipeline([module for _, module in parts], stages, runner, microbatches)
+
+
+class TiedEmbeddings:
+    """Keeps the first stage's embedding and the last stage's copy of it one matrix in effect.
+
+    Both copies start equal (same parameter name, same seed); summing their gradients after
+    backward gives each the gradient of the shared matrix, so identical optimizer steps keep them
+    equal. The first and last stage share a rank under V schedules (a local sum); otherwise the
+    two pp ranks of each (dp, tp) coordinate all-reduce over a group of two.
+    """
+
+    def __init__(self, parts: list[nn.Module], world: DeviceMesh, last_stage_on_first_rank: bool):
+        self.params = [p.tok_embeddings.weight for p in parts if p.tok_embeddings is not None]
+        # The last stage's copy: the same matrix again, so the gradient norm leaves it out.
+        self.output_copies = [p.tok_embeddings.weight for p in parts
+                              if p.tok_embeddings is not None and not p.embeds_input]
+        self.group = None
+        if not last_stage_on_first_rank:
+            ends = world.mesh.reshape(world.mesh.shape[0], -1)  # pp is the outermost mesh dim
+            for column in range(ends.shape[1]):  # every rank creates every group, in one order
+                ranks = [int(ends[0, column]), int(ends[-1, column])]
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    self.group = group
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        if not self.params:
+            return
+        for p in self.params:  # under tp the embedding's gradient comes back replicated: shard it like p
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+        local = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in self.params]
+        total = local[0] if len(local) == 1 else local[0] + local[1]
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for grad in local:
+            grad.copy_(total)
