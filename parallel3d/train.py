@@ -98,24 +98,8 @@ def train(cfg: DictConfig) -> Path:
     def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
 
-    if meshes.pp is not None:  # this rank's pipeline stages, each a slice of the model on meta
-        staged = build_parts(c.model, c.parallel, meshes.pp.get_local_rank())
-    else:
-        with torch.device("meta"):
-            staged = [(0, Transformer(c.model))]
-    for _, part in staged:
-        parallelize(part, meshes, c.parallel, t)
-        part.to_empty(device=device)
-        part.init_weights(t.seed)
-    pipeline = None
-    if meshes.pp is not None:
-        pipeline = build_schedule(staged, num_stages(c.parallel), c.parallel.pp_schedule,
-                                  c.parallel.pp_microbatches or spec.num_micro_batches, token_loss, device,
-                                  meshes.pp.get_group())
-    tied = None
-    if pipeline is not None and c.model.tie_embeddings:  # embedding on the first stage, its copy on the last
-        tied = TiedEmbeddings(pipeline.parts, meshes.world, c.parallel.pp_schedule in V_SCHEDULES)
-    model = staged[0][1] if pipeline is None else torch.nn.ModuleList(pipeline.parts)
+    model, pipeline, tied = build_model(c, meshes, device, c.parallel.pp_microbatches or spec.num_micro_batches,
+                                        token_loss)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, c.optim, meshes, c.parallel.zero_stage)
     scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
@@ -195,7 +179,8 @@ def train(cfg: DictConfig) -> Path:
         elapsed = time.perf_counter() - since
         step_time, tokens_per_sec = elapsed / steps_since, global_tokens * steps_since / elapsed
         since, steps_since = time.perf_counter(), 0
-        per_rank_max = torch.tensor([max_memory_bytes(device), *state_bytes.values()], dtype=torch.float64)
+        per_rank_max = torch.tensor([max_memory_bytes(device), *state_bytes.values()], dtype=torch.float64,
+                                    device=device)  # NCCL reduces device tensors only
         if dist.is_initialized():  # the largest rank is what has to fit
             dist.all_reduce(per_rank_max, op=dist.ReduceOp.MAX)
         memory = [int(v) for v in per_rank_max.tolist()]
@@ -210,6 +195,28 @@ def train(cfg: DictConfig) -> Path:
         parts = [model] if pipeline is None else pipeline.parts
         save_full_model(parts, meshes.pp, run_dir / "model.safetensors", is_rank0)
     return run_dir
+
+
+def build_model(c: Config, meshes, device: torch.device, microbatches: int, loss_fn):
+    """This rank's model, parallelized and initialized: the whole model, or its pipeline stages
+    (a ModuleList) with their schedule and, for tied embeddings, the link between the copies."""
+    if meshes.pp is not None:  # this rank's pipeline stages, each a slice of the model on meta
+        staged = build_parts(c.model, c.parallel, meshes.pp.get_local_rank())
+    else:
+        with torch.device("meta"):
+            staged = [(0, Transformer(c.model))]
+    for _, part in staged:
+        parallelize(part, meshes, c.parallel, c.train)
+        part.to_empty(device=device)
+        part.init_weights(c.train.seed)
+    if meshes.pp is None:
+        return staged[0][1], None, None
+    pipeline = build_schedule(staged, num_stages(c.parallel), c.parallel.pp_schedule, microbatches, loss_fn, device,
+                              meshes.pp.get_group())
+    tied = None
+    if c.model.tie_embeddings:  # the embedding on the first stage, its copy on the last
+        tied = TiedEmbeddings(pipeline.parts, meshes.world, c.parallel.pp_schedule in V_SCHEDULES)
+    return torch.nn.ModuleList(pipeline.parts), pipeline, tied
 
 
 def _local(loss: torch.Tensor) -> torch.Tensor:
