@@ -27,6 +27,10 @@ LAYOUTS |= {
                              "train.micro_batch_size=2"]),
     "dp2-tp2-pp2-Interleaved1F1B": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=2",
                                         "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=2"]),
+    "dp2-tp2-pp2-1F1B-zero1": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
+                                   "train.micro_batch_size=2"]),
+    "hsdp2x2-pp2-Interleaved1F1B": (8, ["parallel.dp_replicate=2", "parallel.pp=2", "parallel.zero_stage=3",
+                                        "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=2"]),
 }
 # dp2 x pp2: every schedule with every ZeRO stage that validation allows.
 LAYOUTS |= {f"dp2-pp2-{s}-zero{z}": (4, ["parallel.pp=2", f"parallel.pp_schedule={s}", f"parallel.zero_stage={z}",
