@@ -31,7 +31,7 @@ from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
-from parallel3d.models import Transformer, flops_per_token
+from parallel3d.models import Transformer, flops_per_token, num_params
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from parallel3d.parallel import parallelize
 from parallel3d.parallel.data import set_gradient_sync
@@ -124,7 +124,9 @@ def train(cfg: DictConfig) -> Path:
         is_rank0 and c.logging.wandb.enabled) else None
     logger = MetricsLogger(run_dir, t.steps, is_rank0, wandb_run)
     if is_rank0:
-        print(f"parallel3d | {c.recipe or 'custom'} | model {c.model.name} | "
+        with torch.device("meta"):  # the whole model's size, whatever part of it this rank holds
+            size = num_params(Transformer(c.model))
+        print(f"parallel3d | {c.recipe or 'custom'} | model {c.model.name} {size / 1e6:.2f}M params | "
               f"{world_size} ranks {dims.sizes()} zero_stage {c.parallel.zero_stage} | {device.type} | "
               f"run_dir {run_dir}", flush=True)
 

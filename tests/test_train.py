@@ -56,6 +56,7 @@ def test_config_yaml_is_resolved(default_run):
 
 
 def test_console_shows_progress(default_run):
+    assert "model tiny 0.92M params" in default_run.stdout
     assert "[60/60] loss" in default_run.stdout and "eta" in default_run.stdout
 
 
