@@ -111,10 +111,6 @@ class Pipeline:
     def has_first_stage(self) -> bool:
         return any(stage.is_first for stage in self.stages)
 
-    @property
-    def has_last_stage(self) -> bool:
-        return any(stage.is_last for stage in self.stages)
-
 
 def num_stages(parallel) -> int:
     return parallel.pp * stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
