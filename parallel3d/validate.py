@@ -191,7 +191,7 @@ def _check_pipeline(p, t, m) -> None:
     empty = [i for i, blocks in enumerate(split) if not blocks and 0 < i < stages - 1]
     if empty:
         raise ConfigError("parallel.pp", p.pp, f"stage {empty[0]} of {stages} would hold no block",
-                          "use fewer stages or set parallel.pp_layers_per_stage")
+                          "give every stage between the first and the last at least one block, or use fewer stages")
     if p.zero_stage == 3 and name in ZERO_BUBBLE_SCHEDULES and p.dp_replicate * p.dp_shard > 1:
         raise ConfigError("parallel.zero_stage", 3, f"{name} computes weight gradients after input gradients, "
                           f"when ZeRO-3 has already resharded the parameters, and torch then trains to wrong "

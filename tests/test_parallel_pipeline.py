@@ -79,6 +79,10 @@ def test_zero_bubble_schedules_with_zero3_are_refused(schedule):
      "parallel.pp_stages_per_rank"),
     (["parallel.pp=2", "parallel.pp_layers_per_stage=[1,1]"], 2, "parallel.pp_layers_per_stage"),
     (["parallel.pp=4", "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=1"], 4, "parallel.pp"),
+    (["parallel.pp=4", "parallel.pp_layers_per_stage=[2,0,0,2]", "train.micro_batch_size=1"], 4, "parallel.pp"),
+    # 9 microbatches run in rounds of 2 (9 // pp): not a whole number of rounds
+    (["parallel.pp=4", "parallel.pp_schedule=Interleaved1F1B", "model.n_layers=8", "train.global_batch_size=18",
+      "train.micro_batch_size=2"], 4, "parallel.pp_microbatches"),
 ])
 def test_impossible_pipelines_are_refused(overrides, world_size, key):
     with pytest.raises(ConfigError) as err:

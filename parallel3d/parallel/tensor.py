@@ -76,8 +76,8 @@ def outer_plan(sequence_parallel: bool, tied: bool) -> dict:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard ``model``'s blocks (those this pipeline stage holds) and outer layers over ``tp_mesh``."""
-    tied = model.output is None
-    present = {name for name, _ in model.named_children() if getattr(model, name) is not None}
+    tied = model.cfg.tie_embeddings
+    present = {name for name, _ in model.named_children()}  # a pipeline stage lacks some (set to None)
     outer = {k: v for k, v in outer_plan(sequence_parallel, tied).items() if k in present}
     if outer:
         parallelize_module(model, tp_mesh, outer)
