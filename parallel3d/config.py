@@ -133,6 +133,20 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps (and at the last step); 0: no checkpoints
+    keep_last: int = 3  # complete checkpoints kept, newest first; 0 keeps all
+    async_save: bool = False  # write in a background thread while training goes on
+    # auto: continue from the newest complete checkpoint in run_dir/checkpoints; none: start
+    # afresh; or a path to a checkpoint (step_<N>/), a checkpoints/ folder or a run_dir.
+    resume: str = "auto"
+    # Initial weights for a fresh start: a checkpoint (a seed checkpoint, say) or a Hugging Face
+    # Llama folder (config.json + *.safetensors). Model weights only; ignored when resuming.
+    init_from: Optional[str] = None
+    create_seed: bool = False  # initialize, save checkpoints/step_0 (weights only) and stop
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -140,6 +154,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str = "${hydra:runtime.output_dir}"
     recipe: Optional[str] = None  # the recipe's name, set by the recipe itself
 

@@ -69,11 +69,18 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 class MetricsLogger:
     """Writes one JSON object per logged step; rank 0 only (other ranks get a no-op logger)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, wandb_run=None):
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, wandb_run=None, resumed_at: int = 0):
         self.enabled, self.total_steps, self.wandb_run = enabled, total_steps, wandb_run
         self.path = run_dir / "metrics.jsonl"
-        self.start = time.perf_counter()
-        self._file = open(self.path, "w") if enabled else None  # a run starts its own record
+        self.start, self.first_step = time.perf_counter(), resumed_at
+        self._file = None
+        if enabled:  # a fresh run starts its own record; a resumed one keeps the rows up to its checkpoint
+            kept = []
+            if resumed_at and self.path.exists():
+                rows = (line for line in self.path.read_text().splitlines() if line.strip())
+                kept = [line for line in rows if json.loads(line)["step"] <= resumed_at]
+            self._file = open(self.path, "w")
+            self._file.write("".join(line + "\n" for line in kept))
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -84,7 +91,7 @@ class MetricsLogger:
             self.wandb_run.log({k: v for k, v in row.items() if v is not None}, step=row["step"])
         step = row["step"]
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / step * (self.total_steps - step)
+        eta = elapsed / (step - self.first_step) * (self.total_steps - step)
         mfu = f" | mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else ""
         print(f"[{step:>{len(str(self.total_steps))}}/{self.total_steps}] loss {row['loss']:.4f} | "
               f"grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | {row['tokens_per_sec']:,.0f} tok/s{mfu} | "

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.mesh import ParallelDims, build_mesh
@@ -84,8 +85,9 @@ def train(cfg: DictConfig) -> Path:
     is_rank0 = rank() == 0
     run_dir = shared_run_dir(str(cfg.run_dir))
     cfg.run_dir = str(run_dir)
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     if is_rank0:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (run_dir / "config.yaml").write_text(config_yaml)
     c: Config = OmegaConf.to_object(cfg)
     t = c.train
 
@@ -103,6 +105,16 @@ def train(cfg: DictConfig) -> Path:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, c.optim, meshes, c.parallel.zero_stage)
     scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
+    parts = [model] if pipeline is None else pipeline.parts
+    checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=t.dist_timeout_s))
+    state = TrainState(parts, optimizer, scheduler)
+    start_step, data_offset = restore(checkpointer, state, c, is_rank0)
+    if c.checkpoint.create_seed:  # the initial weights, for every later layout to start from
+        checkpointer.save(0, TrainState(parts), {"samples_seen": 0}, config_yaml)
+        checkpointer.wait()
+        if is_rank0:
+            print(f"parallel3d: seed checkpoint written to {checkpointer.root / 'step_0'}", flush=True)
+        return run_dir
 
     if is_rank0:  # rank 0 tokenizes the default corpus once; the others then read its cache
         corpus = open_corpus(c.data)
@@ -110,7 +122,7 @@ def train(cfg: DictConfig) -> Path:
         dist.barrier()
     if not is_rank0:
         corpus = open_corpus(c.data)
-    sampler = StepSampler(corpus.tokens, spec, t.seed)
+    sampler = StepSampler(corpus.tokens, spec, t.seed, offset=data_offset)
 
     # With data parallelism the FSDP/replicate mixed-precision policy casts; alone, autocast does.
     autocast = (torch.autocast(device.type, dtype=DTYPES[t.param_dtype])
@@ -122,7 +134,7 @@ def train(cfg: DictConfig) -> Path:
     peak = peak_flops(device, t.param_dtype)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True)) if (
         is_rank0 and c.logging.wandb.enabled) else None
-    logger = MetricsLogger(run_dir, t.steps, is_rank0, wandb_run)
+    logger = MetricsLogger(run_dir, t.steps, is_rank0, wandb_run, resumed_at=start_step)
     if is_rank0:
         with torch.device("meta"):  # the whole model's size, whatever part of it this rank holds
             size = num_params(Transformer(c.model))
@@ -132,7 +144,8 @@ def train(cfg: DictConfig) -> Path:
 
     state_bytes: dict[str, int] = {}
     since, steps_since = time.perf_counter(), 0
-    for step in range(1, t.steps + 1):
+    for step in range(start_step + 1, t.steps + 1):
+        checkpointer.poll()
         loss_sum = torch.zeros((), device=device)
         micro_batches = sampler.micro_batches(step)
         if pipeline is None:
@@ -162,41 +175,61 @@ def train(cfg: DictConfig) -> Path:
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
-        if step == 1:
+        if not state_bytes:  # the first step (of this process): the optimizer state now exists
             state_bytes = model_state_bytes(model, optimizer)
         model.zero_grad(set_to_none=True)
         steps_since += 1
 
-        if step % c.logging.log_every and step != t.steps:
-            continue
-        loss_avg = loss_sum.clone()
-        if meshes.pp is not None:  # only the last stage computed a loss
-            dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
-        if meshes.dp is not None:
-            dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=meshes.dp.get_group())
-        loss_value, norm_value = loss_avg.item(), grad_norm.item()
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
-                                   f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
-        elapsed = time.perf_counter() - since
-        step_time, tokens_per_sec = elapsed / steps_since, global_tokens * steps_since / elapsed
-        since, steps_since = time.perf_counter(), 0
-        per_rank_max = torch.tensor([max_memory_bytes(device), *state_bytes.values()], dtype=torch.float64,
-                                    device=device)  # NCCL reduces device tensors only
-        if dist.is_initialized():  # the largest rank is what has to fit
-            dist.all_reduce(per_rank_max, op=dist.ReduceOp.MAX)
-        memory = [int(v) for v in per_rank_max.tolist()]
-        logger.log({
-            "step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
-            "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
-            "mfu": tokens_per_sec * flops / (peak * world_size) if peak else None,
-            "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])),
-        })
+        if step % c.logging.log_every == 0 or step == t.steps:
+            loss_avg = loss_sum.clone()
+            if meshes.pp is not None:  # only the last stage computed a loss
+                dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
+            if meshes.dp is not None:
+                dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=meshes.dp.get_group())
+            loss_value, norm_value = loss_avg.item(), grad_norm.item()
+            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
+                                       f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
+            elapsed = time.perf_counter() - since
+            step_time, tokens_per_sec = elapsed / steps_since, global_tokens * steps_since / elapsed
+            since, steps_since = time.perf_counter(), 0
+            per_rank_max = torch.tensor([max_memory_bytes(device), *state_bytes.values()], dtype=torch.float64,
+                                        device=device)  # NCCL reduces device tensors only
+            if dist.is_initialized():  # the largest rank is what has to fit
+                dist.all_reduce(per_rank_max, op=dist.ReduceOp.MAX)
+            memory = [int(v) for v in per_rank_max.tolist()]
+            logger.log({
+                "step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
+                "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
+                "mfu": tokens_per_sec * flops / (peak * world_size) if peak else None,
+                "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])),
+            })
+        every = c.checkpoint.every
+        if every and (step % every == 0 or step == t.steps):
+            layout = {**dims.sizes(), "zero_stage": c.parallel.zero_stage, "pp_schedule": c.parallel.pp_schedule}
+            checkpointer.save(step, state, {"samples_seen": sampler.samples_seen(step), "layout": layout,
+                                            "global_batch_size": t.global_batch_size}, config_yaml)
+    checkpointer.wait()
     logger.close()
     if t.save_model:
-        parts = [model] if pipeline is None else pipeline.parts
         save_full_model(parts, meshes.pp, run_dir / "model.safetensors", is_rank0)
     return run_dir
+
+
+def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool) -> tuple[int, int]:
+    """Resume (or load initial weights) as checkpoint.* says: the step done, and the data offset."""
+    checkpointer.remove_incomplete()
+    path = checkpointer.resume_from()
+    if path is not None:
+        meta = checkpointer.load(path, state)
+        if is_rank0:
+            print(f"parallel3d: resumed from {path} (saved at {meta['layout']})", flush=True)
+        if meta["model_only"]:  # a seed checkpoint: its weights, then a fresh start
+            return 0, 0
+        return meta["step"], meta["samples_seen"] - meta["step"] * c.train.global_batch_size
+    if c.checkpoint.init_from:
+        checkpointer.load_weights(Path(c.checkpoint.init_from).expanduser(), state, c.model)
+    return 0, 0
 
 
 def build_model(c: Config, meshes, device: torch.device, microbatches: int, loss_fn):
@@ -223,27 +256,6 @@ def build_model(c: Config, meshes, device: torch.device, microbatches: int, loss
 
 def _local(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
-
-
-def save_full_model(parts, pp_mesh, path: Path, is_rank0: bool) -> None:
-    """Gather the full weights of every stage onto rank 0 and write them as safetensors.
-
-    For small models and tests (it holds the whole model in CPU memory); checkpoints of large
-    models are sharded.
-    """
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = {}
-    for part in parts:  # full_state_dict gathers each stage's FSDP / TP shards (a collective)
-        part_state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
-        state.update({k: v.detach().cpu() for k, v in part_state.items()})
-    if pp_mesh is not None:
-        stage_states = [None] * pp_mesh.size()
-        dist.all_gather_object(stage_states, state, group=pp_mesh.get_group())
-        state = {k: v for s in stage_states for k, v in s.items()}
-    if is_rank0:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")

@@ -4,7 +4,8 @@ The token stream is cut into windows of seq_len input tokens; a window's targets
 tokens shifted by one, so consecutive windows share one boundary token. Each epoch visits the windows in a fresh seeded permutation. The global batch
 of step s is the next global_batch_size windows of that stream; data-parallel rank r takes the
 r-th contiguous slice of it, in micro batches. Tensor and pipeline ranks of one data-parallel
-group get the same slice. Resuming needs nothing but the step number.
+group get the same slice. Resuming needs nothing but the position in the stream: the step, or,
+when the global batch size changed, the number of sequences already trained on (``offset``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class BatchSpec:
 
 
 class StepSampler:
-    def __init__(self, tokens: np.ndarray, spec: BatchSpec, seed: int):
-        self.tokens, self.spec, self.seed = tokens, spec, seed
+    def __init__(self, tokens: np.ndarray, spec: BatchSpec, seed: int, offset: int = 0):
+        """``offset``: windows of the stream before step 1's batch (a resumed run's data position)."""
+        self.tokens, self.spec, self.seed, self.offset = tokens, spec, seed, offset
         self.num_windows = (len(tokens) - 1) // spec.seq_len
         if self.num_windows < spec.global_batch_size:
             raise ValueError(f"the corpus holds {self.num_windows} sequences of {spec.seq_len + 1} tokens, "
@@ -44,8 +46,12 @@ class StepSampler:
     def window_ids(self, step: int) -> list[int]:
         """Global window indices of this rank's slice of the batch of ``step`` (1-based)."""
         spec = self.spec
-        first = (step - 1) * spec.global_batch_size + spec.dp_rank * spec.local_batch_size
+        first = self.samples_seen(step - 1) + spec.dp_rank * spec.local_batch_size
         return [self._window(pos) for pos in range(first, first + spec.local_batch_size)]
+
+    def samples_seen(self, step: int) -> int:
+        """Sequences of the stream consumed once ``step`` is done: the data position to save."""
+        return self.offset + step * self.spec.global_batch_size
 
     def _window(self, position: int) -> int:
         epoch, offset = divmod(position, self.num_windows)

@@ -40,11 +40,14 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive channel pairs of x (b h s d) by the angles of its positions (s d/2)."""
-    pairs = rearrange(x.float(), "... (d two) -> ... d two", two=2)
-    x1, x2 = pairs.unbind(-1)
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rearrange(rotated, "... d two -> ... (d two)").type_as(x)
+    """Rotate channel i with channel i + d/2 of x (b h s d) by the angles of its positions (s d/2).
+
+    The half-split pairing of Hugging Face's Llama (GPT-NeoX style), not Meta's interleaved pairs:
+    our q/k weights then are Hugging Face's as they are, and import/export is a renaming that can
+    stream any shard (the interleaved convention needs a row permutation within each head).
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
 class Attention(nn.Module):

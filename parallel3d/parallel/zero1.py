@@ -26,10 +26,14 @@ def _rows(local: torch.Tensor, mesh: DeviceMesh) -> slice:
     return slice(start, min(start + per_rank, rows))
 
 
+def shard_rows(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    return local[_rows(local, mesh)]
+
+
 def _shard_view(tensor: DTensor, mesh: DeviceMesh) -> DTensor:
     """Rows of this rank's local tensor (the tp shard, under tensor parallelism) over the dp mesh."""
     local = tensor.to_local()
-    return DTensor.from_local(local[_rows(local, mesh)], mesh, [Shard(0)], shape=local.shape,
+    return DTensor.from_local(shard_rows(local, mesh), mesh, [Shard(0)], shape=local.shape,
                               stride=local.stride(), run_check=False)
 
 

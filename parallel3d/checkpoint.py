@@ -1,0 +1,308 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): saved at any layout, loaded at any other.
+
+``run_dir/checkpoints/step_<N>/`` holds:
+
+    shard-*.safetensors        every rank's shards of the model and optimizer state, written by
+                               DCP's HuggingFaceStorageWriter (offsets in each file's header)
+    rng/rank_<r>.safetensors   each rank's RNG states
+    meta.json                  step, data position, LR scheduler, the layout it was saved at
+    config.yaml                the resolved config of the run that saved it
+    COMPLETE                   written last: a folder without it is ignored, then removed
+
+Keys do not depend on the layout: a parameter is saved under its full-model name
+(``layers.3.attention.wq.weight``) and each optimizer state tensor as ``optimizer/<name>/<state>``
+in the parameter's global shape, so DCP reshards both to whatever dp/tp/pp the loader runs.
+Nothing is unpickled on load: tensors and their sharding come from safetensors, the rest from JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor
+
+from parallel3d import hf
+from parallel3d.config import CheckpointConfig
+from parallel3d.parallel.zero1 import shard_rows
+
+COMPLETE, META = "COMPLETE", "meta.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint saves and restores: this rank's model parts, optimizer and LR schedule."""
+
+    parts: list[nn.Module]
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Full-model names, in the optimizer's order. A tied copy on a second part repeats a name."""
+        return [(name, p) for part in self.parts for name, p in part.named_parameters()]
+
+
+def complete_steps(root: Path) -> list[int]:
+    if not root.is_dir():
+        return []
+    found = (_STEP_DIR.match(p.name) for p in root.iterdir() if (p / COMPLETE).is_file())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def find_checkpoint(path: Path) -> Path | None:
+    """The newest complete checkpoint at ``path``: a step folder, a checkpoints/ folder or a run_dir."""
+    if (path / COMPLETE).is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        steps = complete_steps(root)
+        if steps:
+            return root / f"step_{steps[-1]}"
+    return None
+
+
+def _model_targets(state: TrainState, rename=lambda name: name) -> tuple[dict, list]:
+    """DCP load targets: one tensor per key (loaded in place), and the duplicates to copy it into."""
+    targets, copies = {}, []
+    for name, param in state.named_parameters():
+        key = rename(name)
+        if key in targets:
+            copies.append((param, targets[key]))
+        else:
+            targets[key] = param.detach()
+    return targets, copies
+
+
+def _optimizer_entries(state: TrainState):
+    """(key, state tensor, model parameter) for each tensor of the optimizer state."""
+    optimizer_params = [q for group in state.optimizer.param_groups for q in group["params"]]
+    for (name, param), q in zip(state.named_parameters(), optimizer_params, strict=True):
+        for key, value in state.optimizer.state.get(q, {}).items():
+            if isinstance(value, torch.Tensor):
+                yield f"optimizer/{name}/{key}", value, param
+
+
+def _zero1_rows(value: torch.Tensor, param: torch.Tensor) -> bool:
+    """ZeRO-1 keeps rows of this rank's tensor-parallel shard: not the parameter's global shape."""
+    return isinstance(value, DTensor) and value.dim() > 0 and value.shape != param.shape
+
+
+def _global_view(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if not _zero1_rows(value, param):
+        return value
+    # Under tp, gather the dp rows of this tp shard and describe it with the parameter's layout.
+    # Costs one parameter's worth of memory per state tensor while the checkpoint is written.
+    return DTensor.from_local(value.full_tensor(), param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride())
+
+
+def state_dict(state: TrainState) -> dict[str, torch.Tensor]:
+    tensors = {name: p.detach() for name, p in state.named_parameters()}
+    if state.optimizer is not None:
+        tensors.update({key: _global_view(v, p) for key, v, p in _optimizer_entries(state)})
+    return tensors
+
+
+@torch.no_grad()
+def _init_optimizer_state(state: TrainState) -> None:
+    """Create the optimizer's state tensors (a step at lr 0 on zero gradients) so DCP can fill them."""
+    optimizer = state.optimizer
+    if optimizer.state:
+        return
+    for _, p in state.named_parameters():  # ZeRO-1's pre-step hook takes its gradients from these
+        p.grad = torch.zeros_like(p)
+    for q in (q for group in optimizer.param_groups for q in group["params"]):
+        q.grad = torch.zeros_like(q)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    for part in state.parts:
+        part.zero_grad(set_to_none=True)
+
+
+class Checkpointer:
+    """Saves, finds and loads this run's checkpoints; one per run, on every rank."""
+
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig, timeout=None):
+        self.root, self.cfg = run_dir / "checkpoints", cfg
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        # A group of its own: an asynchronous save coordinates ranks while training uses the default one.
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        self._pending = None  # (future, step, meta) of an asynchronous save in flight
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def remove_incomplete(self) -> None:
+        """Partial checkpoints left by a kill: never loaded, removed before this run saves."""
+        if self.rank == 0 and self.root.is_dir():
+            for path in self.root.iterdir():
+                if _STEP_DIR.match(path.name) and not (path / COMPLETE).is_file():
+                    shutil.rmtree(path, ignore_errors=True)
+        self._barrier()
+
+    def resume_from(self) -> Path | None:
+        """The checkpoint ``checkpoint.resume`` names: auto, none, or a path."""
+        if self.cfg.resume == "none":
+            return None
+        if self.cfg.resume == "auto":
+            return find_checkpoint(self.root)
+        found = find_checkpoint(Path(self.cfg.resume).expanduser())
+        if found is None:
+            raise FileNotFoundError(f"checkpoint.resume={self.cfg.resume}: no complete checkpoint there")
+        return found
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, state: TrainState, meta: dict, config_yaml: str) -> None:
+        """Write step ``step``; synchronous unless checkpoint.async_save (then finished later)."""
+        self.wait()  # one save in flight at a time
+        path = self.root / f"step_{step}"
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # a partial folder from an earlier, killed attempt
+            (path / "rng").mkdir(parents=True)
+            (path / "config.yaml").write_text(config_yaml)
+        self._barrier()
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, str(path / "rng" / f"rank_{self.rank}.safetensors"))
+        tensors = state_dict(state)
+        meta = {**meta, "step": step, "world_size": self.world_size, "model_only": state.optimizer is None,
+                "scheduler": _scheduler_state(state.scheduler)}
+        writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
+        if self.cfg.async_save:
+            # DCP stages a CPU copy first, so training may change the tensors while it writes.
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
+                                    no_dist=self.group is None)
+            self._pending = (future, path, meta)
+        else:
+            dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+            self._commit(path, meta)
+
+    def poll(self) -> None:
+        """Commit an asynchronous save that has finished writing."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            future, path, meta = self._pending
+            self._pending = None
+            future.result()  # on rank 0 this returns once every rank's files are written
+            self._commit(path, meta)
+
+    def _commit(self, path: Path, meta: dict) -> None:
+        if self.rank != 0:
+            return
+        _write_atomic(path / META, json.dumps(meta, indent=2))
+        _write_atomic(path / COMPLETE, "")
+        if self.cfg.keep_last > 0:
+            for old in complete_steps(self.root)[: -self.cfg.keep_last]:
+                shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
+
+    # -- loading --------------------------------------------------------------------------
+
+    def load(self, path: Path, state: TrainState) -> dict:
+        """Restore ``state`` from checkpoint ``path`` at this run's layout; returns its meta.json."""
+        meta = json.loads((path / META).read_text())
+        targets, copies = _model_targets(state)
+        rows = []  # ZeRO-1 under tp: load the whole tp shard, keep this rank's rows
+        if state.optimizer is not None and not meta["model_only"]:
+            _init_optimizer_state(state)
+            for key, value, param in _optimizer_entries(state):
+                twin = targets.get(key)  # set already: this is a tied copy's state, filled from its twin
+                if twin is None:
+                    twin = targets[key] = torch.zeros_like(param) if _zero1_rows(value, param) else value
+                if _zero1_rows(value, param):
+                    rows.append((value, twin))
+                elif twin is not value:
+                    copies.append((value, twin))
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
+                 no_dist=self.group is None)
+        _finish_load(copies, rows)
+        if state.scheduler is not None and not meta["model_only"]:
+            state.scheduler.load_state_dict(meta["scheduler"])
+            for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr()):
+                group["lr"] = lr
+        rng_file = path / "rng" / f"rank_{self.rank}.safetensors"
+        if meta["world_size"] == self.world_size and rng_file.is_file():  # RNG streams are per rank
+            rng = load_file(str(rng_file))
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        return meta
+
+    def load_weights(self, path: Path, state: TrainState, model_cfg) -> None:
+        """Initial weights only, from one of our checkpoints or a Hugging Face Llama folder."""
+        if hf.is_hf_dir(path):
+            hf.check_shapes(path, model_cfg)
+            targets, copies = _model_targets(state, rename=hf.to_hf)
+        else:
+            found = find_checkpoint(path)
+            if found is None:
+                raise FileNotFoundError(f"checkpoint.init_from={path}: neither a checkpoint nor a Hugging Face folder")
+            path = found
+            targets, copies = _model_targets(state)
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
+                 no_dist=self.group is None)
+        _finish_load(copies, [])
+
+
+@torch.no_grad()
+def _finish_load(copies, rows) -> None:
+    for dest, src in copies:
+        dest.copy_(src)
+    for value, loaded in rows:
+        value.to_local().copy_(shard_rows(loaded.to_local(), value.device_mesh))
+
+
+def _scheduler_state(scheduler) -> dict | None:
+    if scheduler is None:
+        return None
+    return scheduler.state_dict()  # plain numbers (a partial's lr_lambdas entry is its empty __dict__): JSON
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_full_model(parts: list[nn.Module], pp_mesh, path: Path, is_rank0: bool) -> None:
+    """Gather the full weights of every stage onto rank 0 and write one safetensors file.
+
+    For small models and tests (the whole model sits in rank 0's CPU memory); large models are
+    exported from a sharded checkpoint with ``tools/convert_hf.py``.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = {}
+    for part in parts:  # full_state_dict gathers each stage's FSDP / TP shards (a collective)
+        part_state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        full.update({k: v.detach().cpu() for k, v in part_state.items()})
+    if pp_mesh is not None:
+        stage_states = [None] * pp_mesh.size()
+        dist.all_gather_object(stage_states, full, group=pp_mesh.get_group())
+        full = {k: v for s in stage_states for k, v in s.items()}
+    if is_rank0:
+        save_file({k: v.contiguous() for k, v in full.items()}, str(path))
