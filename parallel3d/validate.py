@@ -52,6 +52,7 @@ def check(cfg, world_size: int) -> None:
     _check_optim(cfg.optim, cfg.train.steps)
     _check_data(cfg.data, cfg.model)
     _check_logging(cfg.logging)
+    _check_checkpoint(cfg.checkpoint, cfg.model, _run_dir(cfg))
 
 
 def _resolve_strategy(p) -> None:
@@ -284,6 +285,60 @@ def _check_logging(lg) -> None:
     if lg.wandb.mode not in (None, "online", "offline", "disabled"):
         raise ConfigError("logging.wandb.mode", lg.wandb.mode, "unknown wandb mode",
                           "use online, offline or disabled")
+
+
+# The model shape a checkpoint must share with the run that loads it (the layout may differ).
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+
+
+def _run_dir(cfg) -> Path | None:
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return Path(str(cfg.run_dir)).expanduser()
+    except (OmegaConfBaseException, ValueError):  # Hydra's own run dir is known only inside a Hydra run
+        return None
+
+
+def _check_checkpoint(ck, m, run_dir: Path | None) -> None:
+    from parallel3d import hf
+    from parallel3d.checkpoint import find_checkpoint
+
+    for key in ("every", "keep_last"):
+        if getattr(ck, key) < 0:
+            raise ConfigError(f"checkpoint.{key}", getattr(ck, key), "must be >= 0", "use 0 (off / keep all) or N")
+    if ck.resume == "auto" and run_dir is not None and (found := find_checkpoint(run_dir / "checkpoints")):
+        _check_saved_shape("checkpoint.resume", ck.resume, found, m)
+    if ck.resume not in ("auto", "none"):
+        found = find_checkpoint(Path(ck.resume).expanduser())
+        if found is None:
+            raise ConfigError("checkpoint.resume", ck.resume, "no complete checkpoint there", "give a step_<N> "
+                              "folder, a checkpoints/ folder or a run_dir holding one, or use auto or none")
+        _check_saved_shape("checkpoint.resume", ck.resume, found, m)
+    if ck.init_from:
+        path = Path(ck.init_from).expanduser()
+        if hf.is_hf_dir(path):
+            try:
+                hf.check_shapes(path, m)
+            except ValueError as e:
+                problem, _, fix = str(e).partition(": set ")
+                raise ConfigError("checkpoint.init_from", ck.init_from, problem, "set " + fix) from None
+        elif (found := find_checkpoint(path)) is None:
+            raise ConfigError("checkpoint.init_from", ck.init_from, "neither a checkpoint nor a Hugging Face "
+                              "folder (config.json + *.safetensors)", "check the path")
+        else:
+            _check_saved_shape("checkpoint.init_from", ck.init_from, found, m)
+
+
+def _check_saved_shape(key: str, value: str, checkpoint: Path, m) -> None:
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(checkpoint / "config.yaml").model
+    for name in SHAPE_KEYS:
+        if saved[name] != m[name]:
+            raise ConfigError(key, value, f"{checkpoint.name} holds a model with model.{name}={saved[name]}, this "
+                              f"run builds model.{name}={m[name]}", f"set model.{name}={saved[name]} (the layout "
+                              f"may change freely, the model's shape may not)")
 
 
 def resolve_device(device: str) -> str:

@@ -272,6 +272,22 @@ def test_same_seed_and_step_give_same_ids_in_any_order():
     assert other[0] != forward[0]
 
 
+def test_resumed_position_continues_the_stream_at_another_batch_size_and_dp_degree():
+    """A checkpoint stores samples_seen; resuming with another global batch and dp degree reads on
+    from exactly there: no sequence skipped, none repeated."""
+    tokens = _tokens(50)
+    before = _sampler(tokens, global_batch=8)
+    stream = [w for step in range(1, 13) for w in before.window_ids(step)]  # 96 windows, two epochs
+    seen = before.samples_seen(5)
+    assert seen == 40
+    ranks = [StepSampler(tokens, BatchSpec(16, 2, SEQ, r, 4), seed=0, offset=seen - 5 * 16) for r in range(4)]
+    for step in (6, 7, 8):  # the resumed run counts on from step 5 with batches of 16 over 4 ranks
+        resumed = [w for sampler in ranks for w in sampler.window_ids(step)]
+        first = seen + (step - 6) * 16
+        assert resumed == stream[first : first + 16]
+    assert ranks[0].samples_seen(8) == seen + 3 * 16
+
+
 def test_each_epoch_is_a_permutation_and_epochs_differ():
     num_windows, batch = 10, 4  # an epoch is 2.5 steps: steps 3, 5 and 8 straddle a boundary
     sampler = _sampler(_tokens(num_windows), global_batch=batch, micro=1)

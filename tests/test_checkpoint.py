@@ -1,0 +1,281 @@
+"""Checkpoints: exact resume, resharding to other layouts, atomicity, seed checkpoints.
+
+Launched runs save at one layout (``checkpoint.every=5`` over 10 steps) and continue from step 5
+at another; steps 6-10 and the final weights must match the single-process run that never
+stopped (the parity reference). Same-layout resumes must match their own uninterrupted run
+to 1e-6. The in-process tests cover the checkpoint folder itself.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FAST, Run, launch, relative_error
+from parallel3d.checkpoint import COMPLETE, Checkpointer, TrainState, complete_steps, find_checkpoint
+from parallel3d.config import CheckpointConfig, ModelConfig, OptimConfig
+from parallel3d.models import Transformer
+from parallel3d.optim import build_lr_scheduler
+
+SAVE = [*FAST, "checkpoint.every=5", "train.save_model=true"]
+DP2_TP2 = ["parallel.dp_shard=2", "parallel.tp=2"]
+FULL_3D = ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=1F1B"]
+
+
+class Saved:
+    """Runs that save checkpoints, each launched once, shared by the tests of this module."""
+
+    def __init__(self, root: Path):
+        self.root, self.runs = root, {}
+        root.mkdir(parents=True, exist_ok=True)
+
+    def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
+        if name not in self.runs:
+            run = launch(self.root / name, [*SAVE, *overrides], nproc=nproc)
+            run.assert_finished(10)
+            self.runs[name] = run
+        return self.runs[name]
+
+    def resume(self, name: str, source: Run, nproc: int, overrides: list[str], step: int = 5) -> Run:
+        path = source.run_dir / "checkpoints" / f"step_{step}"
+        run = launch(self.root / name, [*FAST, f"checkpoint.resume={path}", "train.save_model=true", *overrides],
+                     nproc=nproc)
+        run.assert_finished(10)
+        assert [row["step"] for row in run.metrics] == list(range(step + 1, 11)), run.stdout[-2000:]
+        return run
+
+
+@pytest.fixture(scope="module")
+def saved(runs_root) -> Saved:
+    return Saved(runs_root / "checkpoints")
+
+
+def assert_continues(run: Run, source: Run, reference: Run | None = None, tolerance: float = 1e-5) -> None:
+    """Steps after the resume and the final weights equal those of ``source``, the uninterrupted run
+    that wrote the checkpoint; the losses also equal the single-process ``reference``'s.
+
+    (Weights are compared with the source, not the reference: AdamW divides by the root of tiny
+    second moments, which turns float32 round-off between layouts into weight differences of
+    ~1e-5 on a few elements, while a resume must add nothing to them.)
+    """
+    steps = [row["step"] for row in run.metrics]
+    for other in (source, reference):
+        if other is None:
+            continue
+        ref = {row["step"]: row for row in other.metrics}
+        assert relative_error(run.losses, [ref[s]["loss"] for s in steps]) < tolerance
+        assert relative_error([r["grad_norm"] for r in run.metrics], [ref[s]["grad_norm"] for s in steps]) < tolerance
+        assert relative_error([r["lr"] for r in run.metrics], [ref[s]["lr"] for s in steps]) < 1e-12
+    torch.testing.assert_close(load_file(str(run.run_dir / "model.safetensors")),
+                               load_file(str(source.run_dir / "model.safetensors")), rtol=tolerance, atol=tolerance)
+
+
+# -- same layout --------------------------------------------------------------------------
+
+
+def test_auto_resume_continues_exactly(saved):
+    """A run killed after step 7 restarts in its run_dir, resumes from step 5, ends identical."""
+    whole = saved.run("single", 1, [])
+    resumed_dir = saved.root / "single-resumed"
+    shutil.copytree(whole.run_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "step_10")
+    rows = (resumed_dir / "metrics.jsonl").read_text().splitlines()
+    (resumed_dir / "metrics.jsonl").write_text("\n".join(rows[:7]) + "\n")  # it had logged step 7
+    run = launch(resumed_dir, [*SAVE])
+    run.assert_finished(10)
+    assert "resumed from" in run.stdout and "step_5" in run.stdout
+    assert [row["step"] for row in run.metrics] == list(range(1, 11))  # one row per step, none repeated
+    assert relative_error(run.losses, whole.losses) < 1e-6
+    assert relative_error([r["grad_norm"] for r in run.metrics], [r["grad_norm"] for r in whole.metrics]) < 1e-6
+    assert complete_steps(resumed_dir / "checkpoints") == [5, 10]
+
+
+@pytest.mark.multirank
+def test_resume_at_the_same_layout_dp2_tp2(saved):
+    whole = saved.run("dp2-tp2", 4, DP2_TP2)
+    assert_continues(saved.resume("dp2-tp2-again", whole, 4, DP2_TP2), whole, tolerance=1e-6)
+
+
+def test_resume_none_starts_afresh(saved):
+    whole = saved.run("single", 1, [])
+    run_dir = saved.root / "single-none"
+    shutil.copytree(whole.run_dir, run_dir)
+    run = launch(run_dir, [*FAST, "checkpoint.resume=none", "train.steps=2"])
+    run.assert_finished(2)
+    assert "resumed" not in run.stdout
+    assert [row["step"] for row in run.metrics] == [1, 2]
+    assert run.losses[0] == pytest.approx(whole.losses[0], rel=1e-6)
+
+
+# -- resharding ---------------------------------------------------------------------------
+
+
+@pytest.mark.multirank
+def test_reshard_dp2_tp2_to_dp4(saved, reference_run):
+    """The data position carries over although each dp rank now reads another slice."""
+    source = saved.run("dp2-tp2", 4, DP2_TP2)
+    assert_continues(saved.resume("dp2-tp2-to-dp4", source, 4, ["parallel.dp_shard=4"]), source, reference_run)
+
+
+@pytest.mark.multirank
+def test_reshard_3d_to_single_process(saved, reference_run):
+    """dp2·tp2·pp2 (1F1B, ZeRO-1: optimizer rows of tp shards) -> one process."""
+    source = saved.run("3d-zero1", 8, [*FULL_3D, "parallel.zero_stage=1"])
+    assert_continues(saved.resume("3d-to-single", source, 1, []), source, reference_run)
+
+
+@pytest.mark.multirank
+def test_reshard_single_process_to_zero1_tp2(saved, reference_run):
+    source = saved.run("single", 1, [])
+    run = saved.resume("single-to-zero1-tp2", source, 4, [*DP2_TP2, "parallel.zero_stage=1"])
+    assert_continues(run, source, reference_run)
+
+
+@pytest.mark.multirank
+def test_reshard_pp2_to_interleaved_schedule(saved, reference_run):
+    source = saved.run("pp2", 2, ["parallel.pp=2"])
+    run = saved.resume("pp2-to-interleaved", source, 2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"])
+    assert_continues(run, source, reference_run)
+
+
+@pytest.mark.multirank
+def test_reshard_zero3_to_zero1_from_an_async_save(saved, reference_run):
+    """checkpoint.async_save writes while training goes on; what it wrote is step 5's state."""
+    source = saved.run("dp2-zero3-async", 2, ["parallel.dp_shard=2", "checkpoint.async_save=true"])
+    assert complete_steps(source.run_dir / "checkpoints") == [5, 10]
+    run = saved.resume("zero3-to-zero1", source, 2, ["parallel.dp_shard=2", "parallel.zero_stage=1"])
+    assert_continues(run, source, reference_run)
+
+
+@pytest.mark.multirank
+def test_reshard_tp2_to_pp2_tp2(saved, reference_run):
+    source = saved.run("tp2", 2, ["parallel.tp=2"])
+    run = saved.resume("tp2-to-pp2-tp2", source, 4, ["parallel.tp=2", "parallel.pp=2"])
+    assert_continues(run, source, reference_run)
+
+
+@pytest.mark.multirank
+def test_reshard_tied_v_schedule_to_tp2(saved, parity):
+    """ZBV puts both copies of a tied embedding on one rank; they load into one matrix under tp."""
+    tied = ["model.tie_embeddings=true"]
+    source = saved.run("tied-zbv", 2, [*tied, "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble",
+                                       "parallel.zero_stage=2"])
+    run = saved.resume("tied-zbv-to-tp2", source, 2, [*tied, "parallel.tp=2"])
+    assert_continues(run, source, parity.reference(tied=True))
+
+
+# -- seed checkpoint ----------------------------------------------------------------------
+
+
+@pytest.mark.multirank
+def test_seed_checkpoint_starts_any_layout(saved):
+    """Weights initialized once (here with another init_std) start a run at another layout."""
+    seed_run = launch(saved.root / "seed", [*FAST, "checkpoint.create_seed=true", "model.init_std=0.05",
+                                            "parallel.dp_shard=2"], nproc=2)
+    step0 = seed_run.run_dir / "checkpoints" / "step_0"
+    assert (step0 / COMPLETE).is_file(), seed_run.stderr[-2000:]
+    assert json.loads((step0 / "meta.json").read_text())["model_only"]
+    assert not seed_run.metrics  # it trains nothing
+    from_seed = launch(saved.root / "from-seed", [*FAST, f"checkpoint.init_from={step0}", "parallel.tp=2"], nproc=2)
+    from_seed.assert_finished(10)
+    direct = launch(saved.root / "init-std", [*FAST, "model.init_std=0.05"])
+    assert relative_error(from_seed.losses, direct.losses) < 1e-5
+
+
+# -- the checkpoint folder ----------------------------------------------------------------
+
+
+def _tiny_state(seed: int = 0) -> TrainState:
+    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                                    max_seq_len=16))
+    model.init_weights(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return TrainState([model], optimizer, build_lr_scheduler(optimizer, OptimConfig(warmup_steps=2), 10))
+
+
+def _train_step(state: TrainState) -> None:
+    tokens = torch.randint(0, 64, (2, 16))
+    state.parts[0](tokens).sum().backward()
+    state.optimizer.step()
+    state.scheduler.step()
+    state.optimizer.zero_grad()
+
+
+def _checkpointer(tmp_path: Path, **cfg) -> Checkpointer:
+    return Checkpointer(tmp_path, CheckpointConfig(**cfg))
+
+
+def test_load_restores_model_optimizer_schedule_and_rng(tmp_path):
+    saved = _tiny_state()
+    for _ in range(3):
+        _train_step(saved)
+    ckpt = _checkpointer(tmp_path, every=1)
+    ckpt.save(3, saved, {"samples_seen": 48}, "")
+    expected_next = torch.rand(3)  # what the RNG gives right after the save
+
+    loaded = _tiny_state(seed=1)  # other weights, no optimizer state yet
+    torch.manual_seed(1234)
+    meta = ckpt.load(tmp_path / "checkpoints" / "step_3", loaded)
+    assert meta["step"] == 3 and meta["samples_seen"] == 48
+    assert torch.equal(torch.rand(3), expected_next)
+    for (name, a), (_, b) in zip(saved.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(a, b), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(saved.optimizer.state[a][key], loaded.optimizer.state[b][key]), (name, key)
+    assert loaded.scheduler.last_epoch == 3
+    assert loaded.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]
+
+
+def test_checkpoint_holds_no_pickle_and_loads_without_unpickling(tmp_path, monkeypatch):
+    state = _tiny_state()
+    _train_step(state)
+    ckpt = _checkpointer(tmp_path, every=1)
+    ckpt.save(1, state, {"samples_seen": 16}, "train: {}\n")
+    files = [p for p in (tmp_path / "checkpoints" / "step_1").rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} <= {".safetensors", ".json", ".yaml", ""}, files
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint load unpickled something")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    ckpt.load(tmp_path / "checkpoints" / "step_1", _tiny_state(seed=1))
+
+
+def test_incomplete_checkpoints_are_ignored_then_removed(tmp_path):
+    state = _tiny_state()
+    ckpt = _checkpointer(tmp_path, every=1)
+    ckpt.save(2, state, {"samples_seen": 0}, "")
+    partial = tmp_path / "checkpoints" / "step_4"
+    shutil.copytree(tmp_path / "checkpoints" / "step_2", partial)
+    (partial / COMPLETE).unlink()  # killed before its marker was written
+    assert find_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_2"
+    assert ckpt.resume_from() == tmp_path / "checkpoints" / "step_2"
+    ckpt.remove_incomplete()
+    assert not partial.exists() and (tmp_path / "checkpoints" / "step_2").exists()
+
+
+def test_keep_last_prunes_older_checkpoints(tmp_path):
+    state = _tiny_state()
+    ckpt = _checkpointer(tmp_path, every=1, keep_last=2)
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, state, {"samples_seen": 0}, "")
+    assert complete_steps(tmp_path / "checkpoints") == [3, 4]
+
+
+def test_resume_takes_a_step_folder_a_checkpoints_folder_or_a_run_dir(tmp_path):
+    state = _tiny_state()
+    _checkpointer(tmp_path / "run", every=1).save(3, state, {"samples_seen": 0}, "")
+    step3 = tmp_path / "run" / "checkpoints" / "step_3"
+    for given in (step3, step3.parent, tmp_path / "run"):
+        assert _checkpointer(tmp_path / "other", resume=str(given)).resume_from() == step3
+    assert _checkpointer(tmp_path / "run", resume="none").resume_from() is None
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        _checkpointer(tmp_path / "other", resume=str(tmp_path / "missing")).resume_from()

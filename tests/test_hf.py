@@ -1,0 +1,276 @@
+"""Hugging Face interop: names, export with tools/convert_hf.py, import with checkpoint.init_from.
+
+Tiny models train 10 steps (untied, tied, and with Llama 3.1 RoPE scaling), are exported, and must
+come back bit for bit through ``checkpoint.init_from`` and match ``transformers``' Llama to float32
+rounding. Runs and exports are shared by the whole module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conftest import FAST, Run, env, launch, relative_error
+from parallel3d import hf
+from parallel3d.checkpoint import Checkpointer, TrainState
+from parallel3d.config import CheckpointConfig, ModelConfig, compose
+from parallel3d.models import Transformer
+
+# In-process DCP loads (no process group) say so on every call; that is the intent here.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "convert_hf.py"
+# The rotary-scaled model: Llama 3.1's config at the tiny model's sizes. A short original context
+# makes the scaling change nearly every frequency at 64 tokens. (A null rope_scaling cannot be set
+# from the command line, so the 8B config, which has one, is the starting point.)
+TINY = ["model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384",
+        "model.vocab_size=512", "model.rope_theta=10000", "model.max_seq_len=2048"]
+MODELS = {
+    "untied": [],
+    "tied": ["model.tie_embeddings=true"],
+    "rope_scaled": ["model=llama3_8b", "model.name=tiny_rope", *TINY, "model.rope_scaling.original_max_seq_len=64"],
+}
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("convert_hf", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+convert_hf = _load_tool()
+
+
+def model_config(overrides: list[str]) -> ModelConfig:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), compose(overrides).model))
+
+
+class Models:
+    """Each tiny model trained once (checkpoint at step 10), exported once per (dtype, shard size)."""
+
+    def __init__(self, root: Path):
+        self.root, self.runs, self.exports = root, {}, {}
+        root.mkdir(parents=True, exist_ok=True)
+
+    def run(self, name: str) -> Run:
+        if name not in self.runs:
+            run = launch(self.root / name, [*FAST, "checkpoint.every=10", *MODELS[name]])
+            run.assert_finished(10)
+            self.runs[name] = run
+        return self.runs[name]
+
+    def export(self, name: str, dtype: str = "float32", max_shard_size: str = "5GB") -> Path:
+        key = (name, dtype, max_shard_size)
+        if key not in self.exports:
+            out = self.root / f"hf-{name}-{dtype}-{max_shard_size}"
+            assert convert_hf.main(["export", str(self.run(name).run_dir), str(out), "--dtype", dtype,
+                                    "--max-shard-size", max_shard_size]) == 0
+            self.exports[key] = out
+        return self.exports[key]
+
+    def step_dir(self, name: str) -> Path:
+        return self.run(name).run_dir / "checkpoints" / "step_10"
+
+
+@pytest.fixture(scope="module")
+def models(runs_root) -> Models:
+    return Models(runs_root / "hf")
+
+
+def fresh_model(cfg: ModelConfig, seed: int = 1) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model.eval()
+
+
+def from_checkpoint(models: Models, name: str) -> Transformer:
+    """The trained model as our own checkpoint holds it."""
+    cfg = convert_hf.model_config(models.step_dir(name))
+    model = fresh_model(cfg)
+    Checkpointer(models.root, CheckpointConfig()).load(models.step_dir(name), TrainState([model]))
+    return model
+
+
+def from_hf_dir(path: Path, cfg: ModelConfig) -> Transformer:
+    """A model initialized from a Hugging Face folder, as ``checkpoint.init_from`` does it."""
+    model = fresh_model(cfg)
+    Checkpointer(path, CheckpointConfig()).load_weights(path, TrainState([model]), cfg)
+    return model
+
+
+def tokens(cfg: ModelConfig) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+# -- names ------------------------------------------------------------------------------------
+
+NAMED = {"untied": [], "tied": ["model.tie_embeddings=true"], "llama3_8b": ["model=llama3_8b"]}
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_names_round_trip(name):
+    cfg = model_config(NAMED[name])
+    with torch.device("meta"):
+        names = [n for n, _ in Transformer(cfg).named_parameters()]
+    hf_names = [hf.to_hf(n) for n in names]
+    assert len(set(hf_names)) == len(names)
+    assert [hf.from_hf(n) for n in hf_names] == names
+    assert all(n.startswith(("model.", "lm_head.")) for n in hf_names)
+    assert ("lm_head.weight" in hf_names) == (not cfg.tie_embeddings)
+    assert hf.from_hf("model.layers.0.self_attn.rotary_emb.inv_freq") is None  # in old HF checkpoints
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_names_and_shapes_are_transformers_llama(name):
+    """Our names, renamed, are exactly LlamaForCausalLM's parameters for the config.json we write."""
+    transformers = pytest.importorskip("transformers")
+    cfg = model_config(NAMED[name])
+    with torch.device("meta"):
+        ours = Transformer(cfg)
+        theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf.hf_config(cfg, torch.bfloat16)))
+    assert {hf.to_hf(n): p.shape for n, p in ours.named_parameters()} == {
+        n: p.shape for n, p in theirs.named_parameters()}
+
+
+# -- export, then import ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_export_then_init_from_gives_identical_logits(models, name):
+    trained = from_checkpoint(models, name)
+    cfg = trained.cfg
+    imported = from_hf_dir(models.export(name), cfg)
+    assert not torch.equal(fresh_model(cfg).tok_embeddings.weight, trained.tok_embeddings.weight)
+    for (key, a), (_, b) in zip(trained.named_parameters(), imported.named_parameters(), strict=True):
+        assert torch.equal(a, b), key
+    with torch.no_grad():
+        assert torch.equal(imported(tokens(cfg)), trained(tokens(cfg)))
+
+
+def test_export_folder(models):
+    out = models.export("untied")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 4
+    assert config["rope_scaling"] is None and config["torch_dtype"] == "float32"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        keys = set(f.keys())
+    assert keys == {hf.to_hf(n) for n, _ in from_checkpoint(models, "untied").named_parameters()}  # no optimizer
+
+
+def test_multi_file_export_has_a_complete_index(models):
+    limit = 300_000
+    out = models.export("untied", max_shard_size="300KB")
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) > 2 and files[0].name == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((out / convert_hf.INDEX).read_text())
+    held = {}
+    for path in files:
+        tensors = load_file(str(path))
+        assert path.stat().st_size <= limit + 10_000 or len(tensors) == 1  # + the header
+        for key in tensors:
+            assert key not in held, f"{key} in {held.get(key)} and {path.name}"
+            held[key] = path.name
+    assert index["weight_map"] == held  # every tensor exactly once, in the file that holds it
+    whole = load_file(str(models.export("untied") / "model.safetensors"))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in whole.values())
+    assert all(torch.equal(whole[k], v) for path in files for k, v in load_file(str(path)).items())
+    cfg = convert_hf.model_config(models.step_dir("untied"))
+    with torch.no_grad():
+        assert torch.equal(from_hf_dir(out, cfg)(tokens(cfg)), from_checkpoint(models, "untied")(tokens(cfg)))
+
+
+def test_export_streams_one_file_at_a_time(models, tmp_path, monkeypatch):
+    """Each read loads one output file's tensors, never the model: the memory bound of the tool."""
+    loads, load = [], convert_hf.dcp.load
+
+    def recording_load(state_dict, **kwargs):
+        loads.append({k: t.numel() * t.element_size() for k, t in state_dict.items()})
+        return load(state_dict, **kwargs)
+
+    monkeypatch.setattr(convert_hf.dcp, "load", recording_load)
+    convert_hf.export(models.run("tied").run_dir, tmp_path / "out", torch.float32, 200_000)
+    largest = max(size for sizes in loads for size in sizes.values())
+    assert len(loads) == len(list((tmp_path / "out").glob("*.safetensors"))) > 2
+    assert all(sum(sizes.values()) <= max(200_000, largest) for sizes in loads)
+    assert sorted(k for sizes in loads for k in sizes) == sorted(n for n, _ in
+                                                               from_checkpoint(models, "tied").named_parameters())
+
+
+def test_command_line_default_is_bfloat16(models, tmp_path):
+    out = tmp_path / "bf16"
+    proc = subprocess.run([sys.executable, str(TOOL), "export", str(models.step_dir("untied")), str(out)],
+                          capture_output=True, text=True, timeout=120, env=env())
+    assert proc.returncode == 0, proc.stderr
+    full = load_file(str(models.export("untied") / "model.safetensors"))
+    written = load_file(str(out / "model.safetensors"))
+    assert written.keys() == full.keys()
+    assert all(torch.equal(written[k], v.to(torch.bfloat16)) for k, v in full.items())
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_command_line_refuses_nothing_to_export_and_a_used_folder(models, tmp_path, capsys):
+    assert convert_hf.main(["export", str(tmp_path), str(tmp_path / "out")]) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err
+    used = models.export("untied")  # already holds a model: a second export would mix files
+    assert convert_hf.main(["export", str(models.step_dir("untied")), str(used)]) == 1
+    assert "holds safetensors files already" in capsys.readouterr().err
+
+
+def test_init_from_refuses_another_shape_naming_the_key(models, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(models.export("untied"), other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match=r"num_hidden_layers=3 but model.n_layers=4"):
+        from_hf_dir(other, convert_hf.model_config(models.step_dir("untied")))
+    run = launch(tmp_path / "run", [*FAST, f"checkpoint.init_from={other}"])  # refused before training starts
+    assert run.returncode == 2 and not run.metrics
+    assert "config error" in run.stderr and "num_hidden_layers=3 but model.n_layers=4" in run.stderr
+
+
+@pytest.mark.multirank
+def test_init_from_export_at_another_layout(models):
+    """Two tensor-parallel ranks, each reading its slices of the export, start where one process does."""
+    export = models.export("untied")
+    init = [*FAST, "train.steps=2", f"checkpoint.init_from={export}"]
+    single = launch(models.root / "init-single", init)
+    tp2 = launch(models.root / "init-tp2", [*init, "parallel.tp=2"], nproc=2)
+    single.assert_finished(2)
+    tp2.assert_finished(2)
+    assert relative_error(tp2.losses[:1], single.losses[:1]) < 1e-5
+    assert single.losses[0] < models.run("untied").losses[0] - 1.0  # trained weights, not a fresh init
+
+
+# -- transformers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_transformers_computes_our_logits(models, name, tmp_path):
+    """Our export in LlamaForCausalLM: same logits; and what transformers saves, we load back exactly."""
+    transformers = pytest.importorskip("transformers")
+    ours = from_checkpoint(models, name)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(models.export(name), dtype=torch.float32).eval()
+    batch = tokens(ours.cfg)
+    with torch.no_grad():
+        expected = ours(batch)
+        torch.testing.assert_close(theirs(batch).logits, expected, rtol=1e-5, atol=1e-5)
+        theirs.save_pretrained(tmp_path / "saved")  # a folder as transformers writes it (its config keys)
+        assert torch.equal(from_hf_dir(tmp_path / "saved", ours.cfg)(batch), expected)
+        if ours.cfg.rope_scaling is not None:  # the scaling matters here: without it, other logits
+            unscaled = fresh_model(ModelConfig(**{**vars(ours.cfg), "rope_scaling": None}))
+            unscaled.load_state_dict(ours.state_dict())
+            assert (unscaled(batch) - expected).abs().max() > 1e-3
