@@ -79,8 +79,10 @@ class MetricsLogger:
             if resumed_at and self.path.exists():
                 rows = (line for line in self.path.read_text().splitlines() if line.strip())
                 kept = [line for line in rows if json.loads(line)["step"] <= resumed_at]
-            self._file = open(self.path, "w")
-            self._file.write("".join(line + "\n" for line in kept))
+            tmp = self.path.with_name(self.path.name + ".tmp")  # a kill now must not lose the kept rows
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+            self._file = open(self.path, "a")
 
     def log(self, row: dict) -> None:
         if not self.enabled:

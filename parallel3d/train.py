@@ -48,7 +48,7 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _rank0_dir(path: str) -> str:
+def rank0_dir(path: str) -> str:
     """Hydra's output dir on rank 0; a scratch dir on other ranks (rank 0 shares its run_dir)."""
     return path if rank() == 0 else os.path.join(tempfile.gettempdir(), f"parallel3d-rank{rank()}")
 
@@ -64,6 +64,16 @@ def init_distributed(train, world_size: int) -> torch.device:
                                 timeout=timedelta(seconds=train.dist_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return device
+
+
+def warn_about_restarts() -> None:
+    """Under plain ``torchrun --max-restarts`` (torch >= 2.5) a restarted group reads its dead
+    predecessor's addresses from the shared rendezvous store and fails (pytorch#135712)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        print("parallel3d: warning: torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: "
+              "restarts after a failure cannot connect (pytorch#135712). Launch with parallel3d-run, or "
+              "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun", file=sys.stderr, flush=True)
 
 
 def shared_run_dir(run_dir: str) -> Path:
@@ -83,6 +93,9 @@ def train(cfg: DictConfig) -> Path:
     check(cfg, world_size)
     device = init_distributed(cfg.train, world_size)
     is_rank0 = rank() == 0
+    torch.manual_seed(cfg.train.seed + rank())  # the global RNG (checkpointed), reproducible per rank
+    if is_rank0:
+        warn_about_restarts()
     run_dir = shared_run_dir(str(cfg.run_dir))
     cfg.run_dir = str(run_dir)
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
@@ -279,7 +292,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
-    OmegaConf.register_new_resolver("p3d.rank0_dir", _rank0_dir, replace=True)
+    OmegaConf.register_new_resolver("p3d.rank0_dir", rank0_dir, replace=True)
     _hydra_main()
     if world_size_from_env() > 1:
         # The run is complete and its process group destroyed. gloo can still abort the process

@@ -8,6 +8,11 @@ torchrun options describe, and prints a single message when it cannot run. Other
 itself with ``torchrun [options] -m parallel3d.train [overrides]``: every option torchrun knows
 (``--nnodes``, ``--node-rank``, ``--rdzv-backend``, ``--rdzv-endpoint``, ``--max-restarts`` ...)
 passes through unchanged.
+
+Without a ``run_dir=`` override it also fixes Hydra's timestamped output dir (``outputs/DATE/TIME``)
+once, here: workers that ``--max-restarts`` starts after a failure compose the config again, later,
+and would otherwise write to a new folder instead of resuming from the checkpoints in the old one.
+With ``--max-restarts`` it sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see ``restart_env``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,21 @@ def world_sizes(torchrun_args: list[str]) -> list[int]:
     return sorted({low * per_node, high * per_node})
 
 
+def restart_env(torchrun_args: list[str]) -> dict[str, str]:
+    """What torchrun's environment needs for ``--max-restarts`` to work (pytorch/pytorch#135712).
+
+    By default torchrun's agent keeps one TCPStore for the whole job and every attempt's workers
+    set up their process groups in it, under the same keys: a restarted group can read the
+    addresses its dead predecessor left there and fail with "Gloo connectFullMesh failed ...
+    Connection refused" (NCCL: a stale unique id). Unshared, each attempt's rank 0 hosts a fresh
+    store, as before torch 2.5. Runs without restarts keep torch's default.
+    """
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args([*torchrun_args, "-m", "parallel3d.train"])
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if args.max_restarts > 0 else {}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -51,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     if error:
         print(f"parallel3d: config error: {error}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    overrides = pin_run_dir(overrides)
+    for key, value in restart_env(torchrun_args).items():
+        os.environ.setdefault(key, value)  # a user's own setting wins
     command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "parallel3d.train", *overrides]
     sys.stdout.flush()
     os.execv(sys.executable, command)
@@ -72,6 +95,41 @@ def first_config_error(overrides: list[str], sizes: list[int]) -> str | None:
         except (HydraException, OmegaConfBaseException) as e:
             return " ".join(str(e).split("\n")[:2]).strip()
     return None
+
+
+def _sets(override: str, key: str) -> bool:
+    return override.lstrip("+").startswith(f"{key}=")
+
+
+def pin_run_dir(overrides: list[str]) -> list[str]:
+    """These overrides with ``hydra.run.dir`` resolved now, unless they name a ``run_dir`` already.
+
+    Hydra's default run dir (and any ``${now:...}`` in a user's ``hydra.run.dir``) is evaluated when
+    a worker composes its config; a worker started by a restart would get a new, empty folder.
+    The pinned path keeps conf/config.yaml's ``p3d.rank0_dir`` wrapper: ranks other than 0 still
+    make no folder of their own (other nodes' launchers may have read another second).
+    """
+    if any(_sets(o, "run_dir") for o in overrides):
+        return overrides
+    path = os.path.abspath(hydra_run_dir(overrides))
+    quoted = path.replace("\\", "\\\\").replace("'", "\\'")  # an OmegaConf quoted string: any path
+    return [*(o for o in overrides if not _sets(o, "hydra.run.dir")), f"hydra.run.dir=${{p3d.rank0_dir:'{quoted}'}}"]
+
+
+def hydra_run_dir(overrides: list[str]) -> str:
+    """``hydra.run.dir`` as rank 0 of a run started now with these overrides would resolve it."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from parallel3d.config import CONF_DIR, register_configs
+    from parallel3d.train import rank0_dir
+
+    register_configs()
+    if not OmegaConf.has_resolver("p3d.rank0_dir"):
+        OmegaConf.register_new_resolver("p3d.rank0_dir", rank0_dir)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    return str(cfg.hydra.run.dir)
 
 
 if __name__ == "__main__":
