@@ -93,7 +93,14 @@ class Parity:
         return self.run(f"reference-tied{tied}", 1, [f"model.tie_embeddings={tied}", "train.micro_batch_size=16"])
 
     def assert_same_training(self, run: Run, tied: bool = False) -> None:
-        """Per-step losses and grad norms within relative 1e-5, final weights within 1e-5."""
+        """Per-step losses and grad norms within relative 1e-5, final weights within 1e-4.
+
+        Weights get a looser bound because AdamW's update m/sqrt(v) does not depend on the
+        gradient's scale: an element whose gradient is round-off (~1e-10) moves by up to lr per
+        step in a direction the round-off picks. Seen: one element of layers.1.attention.wv off by
+        2.9e-5 after 10 steps in tied layouts, while every loss agreed to 2e-7; with optim.eps=1e-6,
+        which damps such elements, the same pp2 tied run's weights agree to 4e-7.
+        """
         from safetensors.torch import load_file
         import torch
 
@@ -103,7 +110,7 @@ class Parity:
         assert relative_error(norms, [r["grad_norm"] for r in reference.metrics]) < 1e-5
         weights = load_file(str(run.run_dir / "model.safetensors"))
         torch.testing.assert_close(weights, load_file(str(reference.run_dir / "model.safetensors")),
-                                   rtol=1e-5, atol=1e-5)
+                                   rtol=1e-5, atol=1e-4)
 
 
 @pytest.fixture(scope="session")
