@@ -101,7 +101,7 @@ def _global_view(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not _zero1_rows(value, param):
         return value
     # Under tp, gather the dp rows of this tp shard and describe it with the parameter's layout.
-    # Costs one parameter's worth of memory per state tensor while the checkpoint is written.
+    # While a checkpoint is written this holds the tp shard's whole optimizer state, as ZeRO-0 would.
     return DTensor.from_local(value.full_tensor(), param.device_mesh, param.placements, shape=param.shape,
                               stride=param.stride())
 
