@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from parallel3d.config import ModelConfig
+from parallel3d.validate import ConfigError
 
 _BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -27,8 +28,6 @@ _BLOCK = {
 }
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-_BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
-_TOP_BACK = {v: k for k, v in _TOP.items()}
 
 
 def to_hf(name: str) -> str:
@@ -37,16 +36,6 @@ def to_hf(name: str) -> str:
         return _TOP[name]
     _, index, rest = name.split(".", 2)
     return f"model.layers.{index}.{_BLOCK[rest]}"
-
-
-def from_hf(name: str) -> str | None:
-    """The inverse of ``to_hf``; None for a tensor our model does not have (rotary caches, say)."""
-    if name in _TOP_BACK:
-        return _TOP_BACK[name]
-    parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _BLOCK_BACK:
-        return f"layers.{parts[2]}.{_BLOCK_BACK[parts[3]]}"
-    return None
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
@@ -84,7 +73,9 @@ def is_hf_dir(path: Path) -> bool:
 
 
 def check_shapes(path: Path, cfg: ModelConfig) -> None:
-    """Refuse Hugging Face weights of another shape before any tensor is read, naming the key."""
+    """Refuse Hugging Face weights of another shape before any tensor is read, naming the key.
+
+    The checkpoint section of validation calls it before any process starts."""
     hf = json.loads((path / "config.json").read_text())
     expected = {"hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
                 "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
@@ -95,5 +86,6 @@ def check_shapes(path: Path, cfg: ModelConfig) -> None:
     for key, value in expected.items():
         theirs = hf.get(key, value if key != "num_key_value_heads" else hf.get("num_attention_heads"))
         if theirs != value:
-            raise ValueError(f"{path}/config.json has {key}={theirs} but model.{ours[key]}={value}: "
-                             f"set model.{ours[key]}={theirs} (or pick the matching model config)")
+            raise ConfigError("checkpoint.init_from", path, f"its config.json has {key}={theirs} but "
+                              f"model.{ours[key]}={value}", f"set model.{ours[key]}={theirs} (or pick the "
+                              f"matching model config)")

@@ -318,11 +318,7 @@ def _check_checkpoint(ck, m, run_dir: Path | None) -> None:
     if ck.init_from:
         path = Path(ck.init_from).expanduser()
         if hf.is_hf_dir(path):
-            try:
-                hf.check_shapes(path, m)
-            except ValueError as e:
-                problem, _, fix = str(e).partition(": set ")
-                raise ConfigError("checkpoint.init_from", ck.init_from, problem, "set " + fix) from None
+            hf.check_shapes(path, m)
         elif (found := find_checkpoint(path)) is None:
             raise ConfigError("checkpoint.init_from", ck.init_from, "neither a checkpoint nor a Hugging Face "
                               "folder (config.json + *.safetensors)", "check the path")

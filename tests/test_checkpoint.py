@@ -116,58 +116,34 @@ def test_resume_none_starts_afresh(saved):
 # -- resharding ---------------------------------------------------------------------------
 
 
-@pytest.mark.multirank
-def test_reshard_dp2_tp2_to_dp4(saved, reference_run):
-    """The data position carries over although each dp rank now reads another slice."""
-    source = saved.run("dp2-tp2", 4, DP2_TP2)
-    assert_continues(saved.resume("dp2-tp2-to-dp4", source, 4, ["parallel.dp_shard=4"]), source, reference_run)
+# (test id, saved at: name, ranks, overrides; continued at: ranks, overrides)
+RESHARDS = [
+    # The data position carries over although each dp rank now reads another slice.
+    ("dp2-tp2-to-dp4", ("dp2-tp2", 4, DP2_TP2), (4, ["parallel.dp_shard=4"])),
+    # ZeRO-1 under tp saves optimizer rows of tp shards, described in the parameter's layout.
+    ("3d-zero1-to-single", ("3d-zero1", 8, [*FULL_3D, "parallel.zero_stage=1"]), (1, [])),
+    ("single-to-zero1-tp2", ("single", 1, []), (4, [*DP2_TP2, "parallel.zero_stage=1"])),
+    ("pp2-to-interleaved", ("pp2", 2, ["parallel.pp=2"]),
+     (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"])),
+    # checkpoint.async_save writes while training goes on; what it wrote is step 5's state.
+    ("zero3-async-to-zero1", ("dp2-zero3-async", 2, ["parallel.dp_shard=2", "checkpoint.async_save=true"]),
+     (2, ["parallel.dp_shard=2", "parallel.zero_stage=1"])),
+    ("tp2-to-pp2-tp2", ("tp2", 2, ["parallel.tp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"])),
+    # ZBV puts both copies of a tied embedding on one rank; they load into one matrix under tp.
+    ("tied-zbv-to-tp2", ("tied-zbv", 2, ["model.tie_embeddings=true", "parallel.pp=2",
+                                          "parallel.pp_schedule=ZBVZeroBubble", "parallel.zero_stage=2"]),
+     (2, ["model.tie_embeddings=true", "parallel.tp=2"])),
+]
 
 
 @pytest.mark.multirank
-def test_reshard_3d_to_single_process(saved, reference_run):
-    """dp2·tp2·pp2 (1F1B, ZeRO-1: optimizer rows of tp shards) -> one process."""
-    source = saved.run("3d-zero1", 8, [*FULL_3D, "parallel.zero_stage=1"])
-    assert_continues(saved.resume("3d-to-single", source, 1, []), source, reference_run)
-
-
-@pytest.mark.multirank
-def test_reshard_single_process_to_zero1_tp2(saved, reference_run):
-    source = saved.run("single", 1, [])
-    run = saved.resume("single-to-zero1-tp2", source, 4, [*DP2_TP2, "parallel.zero_stage=1"])
-    assert_continues(run, source, reference_run)
-
-
-@pytest.mark.multirank
-def test_reshard_pp2_to_interleaved_schedule(saved, reference_run):
-    source = saved.run("pp2", 2, ["parallel.pp=2"])
-    run = saved.resume("pp2-to-interleaved", source, 2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"])
-    assert_continues(run, source, reference_run)
-
-
-@pytest.mark.multirank
-def test_reshard_zero3_to_zero1_from_an_async_save(saved, reference_run):
-    """checkpoint.async_save writes while training goes on; what it wrote is step 5's state."""
-    source = saved.run("dp2-zero3-async", 2, ["parallel.dp_shard=2", "checkpoint.async_save=true"])
+@pytest.mark.parametrize("name,saved_at,continued_at", RESHARDS, ids=[r[0] for r in RESHARDS])
+def test_reshard(saved, parity, name, saved_at, continued_at):
+    source = saved.run(*saved_at)
     assert complete_steps(source.run_dir / "checkpoints") == [5, 10]
-    run = saved.resume("zero3-to-zero1", source, 2, ["parallel.dp_shard=2", "parallel.zero_stage=1"])
-    assert_continues(run, source, reference_run)
-
-
-@pytest.mark.multirank
-def test_reshard_tp2_to_pp2_tp2(saved, reference_run):
-    source = saved.run("tp2", 2, ["parallel.tp=2"])
-    run = saved.resume("tp2-to-pp2-tp2", source, 4, ["parallel.tp=2", "parallel.pp=2"])
-    assert_continues(run, source, reference_run)
-
-
-@pytest.mark.multirank
-def test_reshard_tied_v_schedule_to_tp2(saved, parity):
-    """ZBV puts both copies of a tied embedding on one rank; they load into one matrix under tp."""
-    tied = ["model.tie_embeddings=true"]
-    source = saved.run("tied-zbv", 2, [*tied, "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble",
-                                       "parallel.zero_stage=2"])
-    run = saved.resume("tied-zbv-to-tp2", source, 2, [*tied, "parallel.tp=2"])
-    assert_continues(run, source, parity.reference(tied=True))
+    run = saved.resume(name, source, *continued_at)
+    tied = "model.tie_embeddings=true" in saved_at[2]
+    assert_continues(run, source, parity.reference(tied=tied))
 
 
 # -- seed checkpoint ----------------------------------------------------------------------

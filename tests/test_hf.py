@@ -120,16 +120,14 @@ NAMED = {"untied": [], "tied": ["model.tie_embeddings=true"], "llama3_8b": ["mod
 
 
 @pytest.mark.parametrize("name", NAMED)
-def test_names_round_trip(name):
+def test_names_map_one_to_one(name):
     cfg = model_config(NAMED[name])
     with torch.device("meta"):
         names = [n for n, _ in Transformer(cfg).named_parameters()]
     hf_names = [hf.to_hf(n) for n in names]
     assert len(set(hf_names)) == len(names)
-    assert [hf.from_hf(n) for n in hf_names] == names
     assert all(n.startswith(("model.", "lm_head.")) for n in hf_names)
     assert ("lm_head.weight" in hf_names) == (not cfg.tie_embeddings)
-    assert hf.from_hf("model.layers.0.self_attn.rotary_emb.inv_freq") is None  # in old HF checkpoints
 
 
 @pytest.mark.parametrize("name", NAMED)
