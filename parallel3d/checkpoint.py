@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from parallel3d import hf
 from parallel3d.config import CheckpointConfig
 from parallel3d.parallel.zero1 import shard_rows
+from parallel3d.progress import Progress
 
 COMPLETE, META = "COMPLETE", "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -137,8 +138,10 @@ def _init_optimizer_state(state: TrainState) -> None:
 class Checkpointer:
     """Saves, finds and loads this run's checkpoints; one per run, on every rank."""
 
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, timeout=None):
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig, timeout=None, progress: Progress | None = None):
         self.root, self.cfg = run_dir / "checkpoints", cfg
+        # Reports "saving step_N" / "saved"; silent unless given (training passes rank 0's display).
+        self.progress = progress if progress is not None else Progress(enabled=False)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         # A group of its own: an asynchronous save coordinates ranks while training uses the default one.
@@ -174,6 +177,7 @@ class Checkpointer:
         """Write step ``step``; synchronous unless checkpoint.async_save (then finished later)."""
         self.wait()  # one save in flight at a time
         path = self.root / f"step_{step}"
+        self.progress.saving(path.name)
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)  # a partial folder from an earlier, killed attempt
             (path / "rng").mkdir(parents=True)
@@ -213,6 +217,7 @@ class Checkpointer:
             return
         _write_atomic(path / META, json.dumps(meta, indent=2))
         _write_atomic(path / COMPLETE, "")
+        self.progress.saved(path.name)  # an async save: steps after it started, from poll() or wait()
         if self.cfg.keep_last > 0:
             for old in complete_steps(self.root)[: -self.cfg.keep_last]:
                 shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)

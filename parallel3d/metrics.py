@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from parallel3d.progress import Progress
+
 # Dense peak FLOP/s per device by compute dtype (float32 trains on TF32 tensor cores).
 PEAK_FLOPS = {
     "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494.7e12},
@@ -69,8 +71,11 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 class MetricsLogger:
     """Writes one JSON object per logged step; rank 0 only (other ranks get a no-op logger)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, wandb_run=None, resumed_at: int = 0):
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, wandb_run=None, resumed_at: int = 0,
+                 progress: Progress | None = None):
         self.enabled, self.total_steps, self.wandb_run = enabled, total_steps, wandb_run
+        # Console lines go through the progress display: above its bar on a terminal, plain otherwise.
+        self.progress = progress if progress is not None else Progress(enabled=enabled)
         self.path = run_dir / "metrics.jsonl"
         self.start, self.first_step = time.perf_counter(), resumed_at
         self._file = None
@@ -95,9 +100,10 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self.start
         eta = elapsed / (step - self.first_step) * (self.total_steps - step)
         mfu = f" | mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else ""
-        print(f"[{step:>{len(str(self.total_steps))}}/{self.total_steps}] loss {row['loss']:.4f} | "
-              f"grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | {row['tokens_per_sec']:,.0f} tok/s{mfu} | "
-              f"mem {row['max_memory_bytes'] / 2**30:.2f} GiB | eta {_duration(eta)}", flush=True)
+        self.progress.write(
+            f"[{step:>{len(str(self.total_steps))}}/{self.total_steps}] loss {row['loss']:.4f} | "
+            f"grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | {row['tokens_per_sec']:,.0f} tok/s{mfu} | "
+            f"mem {row['max_memory_bytes'] / 2**30:.2f} GiB | eta {_duration(eta)}", loss=row["loss"])
 
     def close(self) -> None:
         if self._file is not None:
@@ -106,14 +112,28 @@ class MetricsLogger:
             self.wandb_run.finish()
 
 
-def start_wandb(wandb_cfg, run_dir: Path, config: dict):
-    """A wandb run on rank 0, offline unless an API key (or an explicit mode) says otherwise."""
+def start_wandb(wandb_cfg, run_dir: Path, config: dict, resumed: bool = False):
+    """A wandb run on rank 0, offline unless an API key (or an explicit mode) says otherwise.
+
+    Its id is kept in ``run_dir/wandb/run_id``: a run resumed from one of its checkpoints (a
+    restart, a requeued Slurm job) continues the same wandb run; a fresh start gets a new one.
+    Offline runs are uploaded later with ``wandb sync run_dir/wandb/offline-run-*``.
+    """
     import wandb  # imported only when enabled: it is slow to import and absent on some machines
 
     mode = wandb_cfg.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-    return wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
-                      group=wandb_cfg.group, tags=list(wandb_cfg.tags), mode=mode, dir=str(run_dir),
-                      config=config)
+    if mode == "offline":  # wandb 0.31's error reporting calls its server even offline (measured)
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+    id_file = run_dir / "wandb" / "run_id"
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
+    # Online, "allow" continues the run's history after its last logged step; offline it keeps
+    # the id, and `wandb sync --append` adds the new part to the run.
+    run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
+                     group=wandb_cfg.group, tags=list(wandb_cfg.tags), mode=mode, dir=str(run_dir),
+                     config=config, id=run_id, resume="allow" if run_id else None)
+    id_file.write_text(run.id + "\n")
+    return run
 
 
 def _duration(seconds: float) -> str:

@@ -37,6 +37,7 @@ from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from parallel3d.parallel import parallelize
 from parallel3d.parallel.data import set_gradient_sync
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts, build_schedule, num_stages
+from parallel3d.progress import Progress
 from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
 
 
@@ -119,7 +120,8 @@ def train(cfg: DictConfig) -> Path:
     optimizer = build_optimizer(model, c.optim, meshes, c.parallel.zero_stage)
     scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
     parts = [model] if pipeline is None else pipeline.parts
-    checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=t.dist_timeout_s))
+    progress = Progress(enabled=is_rank0)  # bars on a terminal, plain lines otherwise
+    checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=t.dist_timeout_s), progress=progress)
     state = TrainState(parts, optimizer, scheduler)
     start_step, data_offset = restore(checkpointer, state, c, is_rank0)
     if c.checkpoint.create_seed:  # the initial weights, for every later layout to start from
@@ -145,9 +147,9 @@ def train(cfg: DictConfig) -> Path:
     vocab_parallel = loss_parallel if meshes.tp is not None else contextlib.nullcontext
     flops = flops_per_token(c.model, t.seq_len)
     peak = peak_flops(device, t.param_dtype)
-    wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True)) if (
-        is_rank0 and c.logging.wandb.enabled) else None
-    logger = MetricsLogger(run_dir, t.steps, is_rank0, wandb_run, resumed_at=start_step)
+    wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
+                            resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
+    logger = MetricsLogger(run_dir, t.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress)
     if is_rank0:
         with torch.device("meta"):  # the whole model's size, whatever part of it this rank holds
             size = num_params(Transformer(c.model))
@@ -155,6 +157,7 @@ def train(cfg: DictConfig) -> Path:
               f"{world_size} ranks {dims.sizes()} zero_stage {c.parallel.zero_stage} | {device.type} | "
               f"run_dir {run_dir}", flush=True)
 
+    progress.start(t.steps, done=start_step)
     state_bytes: dict[str, int] = {}
     since, steps_since = time.perf_counter(), 0
     for step in range(start_step + 1, t.steps + 1):
@@ -192,6 +195,7 @@ def train(cfg: DictConfig) -> Path:
             state_bytes = model_state_bytes(model, optimizer)
         model.zero_grad(set_to_none=True)
         steps_since += 1
+        progress.update(step)
 
         if step % c.logging.log_every == 0 or step == t.steps:
             loss_avg = loss_sum.clone()
@@ -201,6 +205,7 @@ def train(cfg: DictConfig) -> Path:
                 dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=meshes.dp.get_group())
             loss_value, norm_value = loss_avg.item(), grad_norm.item()
             if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                progress.close()  # end the bar's line before the error message
                 raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
                                        f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
             elapsed = time.perf_counter() - since
@@ -223,6 +228,7 @@ def train(cfg: DictConfig) -> Path:
             checkpointer.save(step, state, {"samples_seen": sampler.samples_seen(step), "layout": layout,
                                             "global_batch_size": t.global_batch_size}, config_yaml)
     checkpointer.wait()
+    progress.close()
     logger.close()
     if t.save_model:
         save_full_model(parts, meshes.pp, run_dir / "model.safetensors", is_rank0)
@@ -267,6 +273,17 @@ def build_model(c: Config, meshes, device: torch.device, microbatches: int, loss
     return torch.nn.ModuleList(pipeline.parts), pipeline, tied
 
 
+def refuse_multirun_under_torchrun() -> None:
+    """Hydra's --multirun runs every job in the process that parsed it: one process, not a
+    torchrun group (each rank would sweep on its own, re-forming its process group per job)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if world_size_from_env() > 1 and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise ConfigError("--multirun", "under torchrun", "Hydra runs a sweep inside one process",
+                          "sweep with `parallel3d-run --nproc-per-node N --multirun ...` (one torchrun per job)")
+
+
 def _local(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
 
@@ -274,6 +291,7 @@ def _local(loss: torch.Tensor) -> torch.Tensor:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
+        refuse_multirun_under_torchrun()
         train(cfg)
     except (ConfigError, TrainingDiverged) as e:
         if rank() == 0:

@@ -15,6 +15,7 @@ import sys
 import time
 
 from parallel3d.data import TokenFile, load_tokenizer, text_files, write_token_file
+from parallel3d.progress import Progress
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,15 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     tokenizer = load_tokenizer(args.tokenizer)
-    start, last = time.perf_counter(), [0.0]
-
-    def progress(tokens: int) -> None:
-        now = time.perf_counter()
-        if sys.stderr.isatty() and now - last[0] > 0.5:
-            last[0] = now
-            print(f"\r{tokens:,} tokens", end="", file=sys.stderr, flush=True)
-
-    path = write_token_file(text_files(args.input, args.pattern, args.max_bytes), tokenizer, args.output, progress)
+    start = time.perf_counter()
+    # A bar on stderr when it is a terminal; the line below reports the result either way.
+    with Progress(enabled=True).counter("tokenizing", "tok") as update:
+        path = write_token_file(text_files(args.input, args.pattern, args.max_bytes), tokenizer, args.output, update)
     tokens = TokenFile(path)
     print(f"{path}: {len(tokens):,} tokens ({tokens.meta['dtype']}, tokenizer {tokenizer.name}) "
           f"in {time.perf_counter() - start:.1f}s")

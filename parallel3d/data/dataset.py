@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from parallel3d.progress import Progress
+
 
 def write_token_file(documents: Iterable[str], tokenizer, output: str | Path, progress=None) -> Path:
     output = Path(output).expanduser()
@@ -76,8 +78,10 @@ def stdlib_token_file(tokenizer, cache_dir: str | Path, max_bytes: int) -> Token
     root = Path(sysconfig.get_paths()["stdlib"])
     tag = f"stdlib-py{sysconfig.get_python_version()}-{max_bytes}-{_slug(tokenizer.name)}"
     path = Path(cache_dir).expanduser() / f"{tag}.bin"
-    if not path.with_suffix(".json").is_file():
-        write_token_file(text_files(root, "*.py", max_bytes), tokenizer, path)
+    if not path.with_suffix(".json").is_file():  # the first run waits for this: shown on rank 0
+        done = f"tokenized the standard library into {path}"
+        with Progress().counter("tokenizing the default corpus", "tok", done=done) as update:
+            write_token_file(text_files(root, "*.py", max_bytes), tokenizer, path, progress=update)
     return TokenFile(path)
 
 
