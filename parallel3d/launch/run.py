@@ -1,6 +1,7 @@
 """parallel3d-run: compose and validate the config once, then hand over to torchrun.
 
     parallel3d-run [torchrun options] [recipe=NAME] [key=value ...]
+    parallel3d-run [torchrun options] --multirun [key=a,b ...]     # one torchrun per combination
 
 Under plain torchrun every rank would print the same config error and torchrun would add a
 traceback of its own. This checks the config in one process first, for the world size that the
@@ -13,12 +14,18 @@ Without a ``run_dir=`` override it also fixes Hydra's timestamped output dir (``
 once, here: workers that ``--max-restarts`` starts after a failure compose the config again, later,
 and would otherwise write to a new folder instead of resuming from the checkpoints in the old one.
 With ``--max-restarts`` it sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see ``restart_env``).
+
+With ``--multirun`` (or ``-m``) it runs a Hydra sweep: every combination is validated first, then
+each runs as its own torchrun job, one after another, in ``hydra.sweep.dir/<n>`` (see sweep.py).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+
+from parallel3d.launch import sweep
 
 EXIT_CONFIG_ERROR = 2
 
@@ -62,24 +69,46 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return
-    overrides, torchrun_args = split_args(argv)
+    multirun = any(a in sweep.MULTIRUN_FLAGS for a in argv)
+    overrides, torchrun_args = split_args([a for a in argv if a not in sweep.MULTIRUN_FLAGS])
     try:
         sizes = world_sizes(torchrun_args)
     except SystemExit:  # argparse already said what was wrong with the torchrun options
         sys.exit(EXIT_CONFIG_ERROR)
-    error = first_config_error(overrides, sizes)
-    if error:
-        print(f"parallel3d: config error: {error}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
-    overrides = pin_run_dir(overrides)
+    jobs = sweep.plan(overrides) if multirun else []
+    exit_if_invalid([job.overrides for job in jobs] or [overrides], sizes, [job.label for job in jobs])
     for key, value in restart_env(torchrun_args).items():
         os.environ.setdefault(key, value)  # a user's own setting wins
-    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "parallel3d.train", *overrides]
-    sys.stdout.flush()
-    os.execv(sys.executable, command)
+    if not multirun:
+        sys.stdout.flush()
+        os.execv(sys.executable, torchrun_command(torchrun_args, pin_run_dir(overrides)))
+    print(f"parallel3d: sweep of {len(jobs)} jobs in {sweep.record(jobs)}", flush=True)
+    failed = []
+    for n, job in enumerate(jobs):
+        print(f"parallel3d: sweep job {n}: {job.label} -> {job.run_dir}", flush=True)
+        if subprocess.run(torchrun_command(torchrun_args, job.overrides)).returncode != 0:
+            failed.append(n)  # one diverging learning rate must not end the sweep
+    if failed:
+        print(f"parallel3d: sweep jobs {failed} failed (of {len(jobs)})", file=sys.stderr)
+        sys.exit(1)
 
 
-def first_config_error(overrides: list[str], sizes: list[int]) -> str | None:
+def torchrun_command(torchrun_args: list[str], overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "parallel3d.train", *overrides]
+
+
+def exit_if_invalid(jobs: list[list[str]], sizes: list[int], labels: list[str] | None = None,
+                    device: str | None = None) -> None:
+    """Exit with one message when any job's config cannot run: before any process starts."""
+    for n, job in enumerate(jobs):
+        error = first_config_error(job, sizes, device)
+        if error:
+            where = f" in sweep job {n} ({labels[n]})" if labels else ""
+            print(f"parallel3d: config error{where}: {error}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
+
+
+def first_config_error(overrides: list[str], sizes: list[int], device: str | None = None) -> str | None:
     """The message of the first problem with these overrides at any of these world sizes, or None."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -89,7 +118,7 @@ def first_config_error(overrides: list[str], sizes: list[int]) -> str | None:
 
     for world_size in sizes:
         try:
-            check(compose(overrides), world_size)
+            check(compose(overrides), world_size, device)
         except ConfigError as e:
             return f"{e} (world size {world_size})" if len(sizes) > 1 else str(e)
         except (HydraException, OmegaConfBaseException) as e:
@@ -111,22 +140,33 @@ def pin_run_dir(overrides: list[str]) -> list[str]:
     """
     if any(_sets(o, "run_dir") for o in overrides):
         return overrides
-    path = os.path.abspath(hydra_run_dir(overrides))
+    return [*(o for o in overrides if not _sets(o, "hydra.run.dir")), run_dir_override(hydra_run_dir(overrides))]
+
+
+def run_dir_override(path: str | os.PathLike) -> str:
+    """The override that makes ``path`` the run's output dir (and so its run_dir) on rank 0."""
+    path = os.path.abspath(path)
     quoted = path.replace("\\", "\\\\").replace("'", "\\'")  # an OmegaConf quoted string: any path
-    return [*(o for o in overrides if not _sets(o, "hydra.run.dir")), f"hydra.run.dir=${{p3d.rank0_dir:'{quoted}'}}"]
+    return f"hydra.run.dir=${{p3d.rank0_dir:'{quoted}'}}"
+
+
+def register_rank0_dir() -> None:
+    from omegaconf import OmegaConf
+
+    from parallel3d.train import rank0_dir
+
+    if not OmegaConf.has_resolver("p3d.rank0_dir"):
+        OmegaConf.register_new_resolver("p3d.rank0_dir", rank0_dir)
 
 
 def hydra_run_dir(overrides: list[str]) -> str:
     """``hydra.run.dir`` as rank 0 of a run started now with these overrides would resolve it."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     from parallel3d.config import CONF_DIR, register_configs
-    from parallel3d.train import rank0_dir
 
     register_configs()
-    if not OmegaConf.has_resolver("p3d.rank0_dir"):
-        OmegaConf.register_new_resolver("p3d.rank0_dir", rank0_dir)
+    register_rank0_dir()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     return str(cfg.hydra.run.dir)
