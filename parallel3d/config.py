@@ -147,6 +147,34 @@ class CheckpointConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """How ``parallel3d-slurm`` writes the batch job; training itself ignores these keys."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8  # 0: a CPU cluster (then set nproc_per_node)
+    nproc_per_node: Optional[int] = None  # ranks per node; default: gpus_per_node
+    cpus_per_task: Optional[int] = None  # cores for each node's torchrun (one task per node)
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: str = "04:00:00"
+    job_name: Optional[str] = None  # default: the recipe's name
+    exclusive: bool = True  # whole nodes: no other job shares their GPUs or network
+    # Preemption and node failure requeue the job; so does the time limit (the script asks for
+    # its own requeue shortly before). Every attempt resumes from the newest checkpoint in run_dir.
+    requeue: bool = True
+    requeue_grace_s: int = 180  # seconds before the time limit at which the job requeues itself
+    max_restarts: int = 0  # torchrun restarts of the workers inside one allocation
+    rdzv_port: int = 29500  # c10d rendezvous on the allocation's first node
+    network_interface: Optional[str] = None  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, e.g. ib0
+    env: dict[str, str] = field(default_factory=dict)  # exported before srun
+    setup: list[str] = field(default_factory=list)  # shell lines before srun: module load, venv ...
+    srun_args: list[str] = field(default_factory=list)  # e.g. pyxis: --container-image=...
+    extra_sbatch: list[str] = field(default_factory=list)  # more #SBATCH options, e.g. --mem=0
+    python: Optional[str] = None  # the interpreter on the nodes; default: the one submitting
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -155,6 +183,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     run_dir: str = "${hydra:runtime.output_dir}"
     recipe: Optional[str] = None  # the recipe's name, set by the recipe itself
 

@@ -41,12 +41,16 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check(cfg, world_size: int) -> None:
-    """Resolve shorthands in ``cfg`` and raise ConfigError if it cannot run on ``world_size`` ranks."""
+def check(cfg, world_size: int, device: str | None = None) -> None:
+    """Resolve shorthands in ``cfg`` and raise ConfigError if it cannot run on ``world_size`` ranks.
+
+    ``device`` ("cpu" or "cuda"): what the run's machines have, when they are not this one (a
+    Slurm job submitted from a login node); None: this machine's.
+    """
     _resolve_strategy(cfg.parallel)
     _check_degrees(cfg.parallel, world_size)
     _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
-    _check_data_parallel(cfg.parallel, cfg.train)
+    _check_data_parallel(cfg.parallel, cfg.train, device)
     _check_batch(cfg.train, cfg.parallel, cfg.model)
     _check_pipeline(cfg.parallel, cfg.train, cfg.model)
     _check_optim(cfg.optim, cfg.train.steps)
@@ -129,7 +133,7 @@ def _check_model(m, tp: int, pp: int) -> None:
                               f"and it is not divisible", f"choose parallel.tp from {ok}")
 
 
-def _check_data_parallel(p, t) -> None:
+def _check_data_parallel(p, t, device: str | None) -> None:
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero_stage", p.zero_stage, "ZeRO stages are 0 (DDP), 1, 2 and 3 (FSDP)",
                           "use 0, 1, 2 or 3 (or parallel.fsdp_sharding_strategy=FULL_SHARD etc.)")
@@ -148,14 +152,17 @@ def _check_data_parallel(p, t) -> None:
             raise ConfigError(f"train.{key}", getattr(t, key), "unknown dtype", f"use one of {', '.join(DTYPES)}")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("train.device", t.device, "unknown device", "use auto, cpu or cuda")
-    if t.device == "cuda" and not torch.cuda.is_available():
+    if t.device == "cuda" and device == "cpu":
+        raise ConfigError("train.device", "cuda", "the job's nodes have no GPUs (slurm.gpus_per_node=0)",
+                          "request GPUs with slurm.gpus_per_node, or set train.device=cpu (or auto)")
+    if t.device == "cuda" and device is None and not torch.cuda.is_available():
         raise ConfigError("train.device", "cuda", "no CUDA device is visible on this machine",
                           "run on a GPU machine, or set train.device=cpu (or auto)")
     if p.cpu_offload:
         if p.zero_stage < 2:
             raise ConfigError("parallel.cpu_offload", True, f"offload moves FSDP shards to the CPU, but "
                               f"parallel.zero_stage={p.zero_stage} does not use FSDP", "use zero_stage 2 or 3")
-        if resolve_device(t.device) == "cpu":
+        if resolve_device(t.device, device) == "cpu":
             raise ConfigError("parallel.cpu_offload", True, "FSDP's CPU offload needs an accelerator and this "
                               "run trains on the CPU already", "set parallel.cpu_offload=false, or train on a GPU")
 
@@ -337,9 +344,10 @@ def _check_saved_shape(key: str, value: str, checkpoint: Path, m) -> None:
                               f"may change freely, the model's shape may not)")
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: str, available: str | None = None) -> str:
+    """``train.device`` made concrete: auto picks the GPU when the machine (or ``available``) has one."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return available or ("cuda" if torch.cuda.is_available() else "cpu")
     return device
 
 
