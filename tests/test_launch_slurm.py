@@ -41,14 +41,14 @@ def test_script_asks_for_the_allocation(gpu_script):
     log = tmp / "run" / "slurm" / "%j.out"
     assert sbatch_options(script) == [
         "--job-name=llama3_8b", "--nodes=4", "--ntasks-per-node=1", "--time=2-00:00:00", f"--output={log}",
-        f"--error={log}", "--open-mode=append", f"--chdir={tmp}", "--gpus-per-node=8", "--partition=gpu",
+        "--open-mode=append", f"--chdir={tmp}", "--gpus-per-node=8", "--partition=gpu",
         "--account=proj42", "--exclusive", "--requeue", "--signal=B:USR1@180", "--mem=0"]
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid shell
 
 
 def test_script_runs_one_torchrun_per_node_with_c10d_rendezvous(gpu_script):
     tmp, _, script = gpu_script
-    lines = script.splitlines()
+    lines = script.replace(" \\\n", " ").splitlines()  # the srun command spans lines for reading
     assert lines.index("module load cuda/12.4") < lines.index("source /opt/venv/bin/activate") < len(lines) - 3
     for exported in ("NCCL_SOCKET_IFNAME=ib0", "GLOO_SOCKET_IFNAME=ib0", "NCCL_DEBUG=WARN",
                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "PYTHONUNBUFFERED=1"):
@@ -95,6 +95,6 @@ def test_cpu_sweep_writes_one_job_per_combination(tmp_path):
     for job in jobs:
         script = (tmp_path / "sweep" / str(job["job"]) / "slurm" / "job.sbatch").read_text()
         assert not any(o.startswith("--gpus") or o in ("--requeue",) for o in sbatch_options(script))
-        command = script.splitlines()[-1]
+        command = script.replace(" \\\n", " ").splitlines()[-1]
         assert "--nproc-per-node=4" in command and job["swept"] in command and not command.endswith("&")
         assert f"hydra.run.dir=${{p3d.rank0_dir:'{job['run_dir']}'}}" in shlex.split(command)

@@ -59,7 +59,7 @@ def render(s, overrides: list[str], run_dir: Path, job_name: str, workdir: Path)
     """The sbatch script: ``srun`` starts one torchrun per node, each runs its node's ranks."""
     log = run_dir / "slurm" / "%j.out"
     options = [f"--job-name={job_name}", f"--nodes={s.nodes}", "--ntasks-per-node=1", f"--time={s.time}",
-               f"--output={log}", f"--error={log}", "--open-mode=append", f"--chdir={workdir}"]
+               f"--output={log}", "--open-mode=append", f"--chdir={workdir}"]  # stderr goes to --output too
     options += [f"--gpus-per-node={s.gpus_per_node}"] * (s.gpus_per_node > 0)
     options += [f"--cpus-per-task={s.cpus_per_task}"] * bool(s.cpus_per_task)
     options += [f"--{key}={value}" for key, value in
@@ -90,7 +90,7 @@ def render(s, overrides: list[str], run_dir: Path, job_name: str, workdir: Path)
              'rendezvous $head"']
     if s.requeue:  # Slurm signals the batch shell only while it waits, so srun runs in the background
         lines += ['trap \'echo "parallel3d: time limit near, requeueing"; scontrol requeue "$SLURM_JOB_ID"\' USR1']
-    command = " ".join([*srun, *torchrun, *map(shlex.quote, overrides)])
+    command = " \\\n    ".join(" ".join(part) for part in (srun, torchrun, map(shlex.quote, overrides)))
     lines += (["", f"{command} &", "wait $!"] if s.requeue else ["", command])
     return "\n".join(lines) + "\n"
 
