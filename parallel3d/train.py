@@ -116,7 +116,6 @@ def train(cfg: DictConfig) -> Path:
 
     model, pipeline, tied = build_model(c, meshes, device, c.parallel.pp_microbatches or spec.num_micro_batches,
                                         token_loss)
-    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, c.optim, meshes, c.parallel.zero_stage)
     scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
     parts = [model] if pipeline is None else pipeline.parts
@@ -139,12 +138,6 @@ def train(cfg: DictConfig) -> Path:
         corpus = open_corpus(c.data)
     sampler = StepSampler(corpus.tokens, spec, t.seed, offset=data_offset)
 
-    # With data parallelism the FSDP/replicate mixed-precision policy casts; alone, autocast does.
-    autocast = (torch.autocast(device.type, dtype=DTYPES[t.param_dtype])
-                if meshes.dp is None and t.param_dtype != "float32" else contextlib.nullcontext())
-    # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
-    # backward are computed on the shards.
-    vocab_parallel = loss_parallel if meshes.tp is not None else contextlib.nullcontext
     flops = flops_per_token(c.model, t.seq_len)
     peak = peak_flops(device, t.param_dtype)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
@@ -162,35 +155,9 @@ def train(cfg: DictConfig) -> Path:
     since, steps_since = time.perf_counter(), 0
     for step in range(start_step + 1, t.steps + 1):
         checkpointer.poll()
-        loss_sum = torch.zeros((), device=device)
-        micro_batches = sampler.micro_batches(step)
-        if pipeline is None:
-            for i, (inputs, targets) in enumerate(micro_batches):
-                set_gradient_sync(model, i == len(micro_batches) - 1, c.parallel.zero_stage)
-                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-                with vocab_parallel():
-                    with autocast:
-                        loss = token_loss(model(inputs), targets)
-                    loss.backward()
-                loss_sum += _local(loss.detach())
-        else:  # each schedule step runs pipeline.microbatches micro batches through all stages
-            for k in range(0, len(micro_batches), pipeline.microbatches):
-                chunk = micro_batches[k : k + pipeline.microbatches]
-                inputs = torch.cat([x for x, _ in chunk]).to(device, non_blocking=True)
-                targets = torch.cat([y for _, y in chunk]).to(device, non_blocking=True)
-                losses: list[torch.Tensor] = []  # filled on the rank holding the last stage only
-                with vocab_parallel(), autocast:
-                    pipeline.schedule.step(*([inputs] if pipeline.has_first_stage else []), target=targets,
-                                           losses=losses)
-                for loss in losses:
-                    loss_sum += _local(loss.detach())
-        if tied is not None:
-            tied.sync_gradients()
-        grad_norm = clip_grad_norm_(params, t.grad_clip, pp_group=meshes.pp.get_group() if meshes.pp else None,
-                                    uncounted=tied.output_copies if tied else ())
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
+        loss_sum, grad_norm = train_step(c, meshes, device, model, pipeline, tied, optimizer, scheduler,
+                                         sampler.micro_batches(step), token_loss)
         if not state_bytes:  # the first step (of this process): the optimizer state now exists
             state_bytes = model_state_bytes(model, optimizer)
         model.zero_grad(set_to_none=True)
@@ -251,9 +218,12 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
     return 0, 0
 
 
-def build_model(c: Config, meshes, device: torch.device, microbatches: int, loss_fn):
+def build_model(c: Config, meshes, device: torch.device, microbatches: int, loss_fn,
+                materialize: contextlib.AbstractContextManager | None = None):
     """This rank's model, parallelized and initialized: the whole model, or its pipeline stages
-    (a ModuleList) with their schedule and, for tied embeddings, the link between the copies."""
+    (a ModuleList) with their schedule and, for tied embeddings, the link between the copies.
+    ``materialize``: the context the parameters get their memory in (the dry run's FakeTensorMode;
+    parallelizing must happen outside it, since DeviceMesh slicing computes on real tensors)."""
     if meshes.pp is not None:  # this rank's pipeline stages, each a slice of the model on meta
         staged = build_parts(c.model, c.parallel, meshes.pp.get_local_rank())
     else:
@@ -261,8 +231,9 @@ def build_model(c: Config, meshes, device: torch.device, microbatches: int, loss
             staged = [(0, Transformer(c.model))]
     for _, part in staged:
         parallelize(part, meshes, c.parallel, c.train)
-        part.to_empty(device=device)
-        part.init_weights(c.train.seed)
+        with materialize or contextlib.nullcontext():
+            part.to_empty(device=device)
+            part.init_weights(c.train.seed)
     if meshes.pp is None:
         return staged[0][1], None, None
     pipeline = build_schedule(staged, num_stages(c.parallel), c.parallel.pp_schedule, microbatches, loss_fn, device,
@@ -271,6 +242,61 @@ def build_model(c: Config, meshes, device: torch.device, microbatches: int, loss
     if c.model.tie_embeddings:  # the embedding on the first stage, its copy on the last
         tied = TiedEmbeddings(pipeline.parts, meshes.world, c.parallel.pp_schedule in V_SCHEDULES)
     return torch.nn.ModuleList(pipeline.parts), pipeline, tied
+
+
+def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, optimizer, scheduler,
+               micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over this rank's micro batches: forward and backward (through the pipeline
+    schedule under pp), the tied embeddings' gradient sum, global-norm clipping, optimizer and lr
+    steps. Returns (this rank's summed loss, the gradient norm); the gradients stay for the caller
+    to measure and zero. The dry run (parallel3d/dryrun.py) runs this same function on fake tensors."""
+    # With data parallelism the FSDP/replicate mixed-precision policy casts; alone, autocast does.
+    autocast = (torch.autocast(device.type, dtype=DTYPES[c.train.param_dtype])
+                if meshes.dp is None and c.train.param_dtype != "float32" else contextlib.nullcontext())
+    # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
+    # backward are computed on the shards.
+    vocab_parallel = loss_parallel if meshes.tp is not None else contextlib.nullcontext
+    loss_sum = torch.zeros((), device=device)
+    if pipeline is None:
+        for i, (inputs, targets) in enumerate(micro_batches):
+            set_gradient_sync(model, i == len(micro_batches) - 1, c.parallel.zero_stage)
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            with vocab_parallel():
+                with autocast:
+                    loss = loss_fn(model(inputs), targets)
+                loss.backward()
+            loss_sum += _local(loss.detach())
+    else:  # each schedule step runs pipeline.microbatches micro batches through all stages
+        for k in range(0, len(micro_batches), pipeline.microbatches):
+            chunk = micro_batches[k : k + pipeline.microbatches]
+            inputs = torch.cat([x for x, _ in chunk]).to(device, non_blocking=True)
+            targets = torch.cat([y for _, y in chunk]).to(device, non_blocking=True)
+            losses: list[torch.Tensor] = []  # filled on the rank holding the last stage only
+            with vocab_parallel(), autocast:
+                pipeline.schedule.step(*([inputs] if pipeline.has_first_stage else []), target=targets,
+                                       losses=losses)
+            for loss in losses:
+                loss_sum += _local(loss.detach())
+    if tied is not None:
+        tied.sync_gradients()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = clip_grad_norm_(params, c.train.grad_clip, pp_group=meshes.pp.get_group() if meshes.pp else None,
+                                uncounted=tied.output_copies if tied else ())
+    optimizer.step()
+    scheduler.step()
+    return loss_sum, grad_norm
+
+
+def output_dir_is_run_dir(argv: list[str]) -> list[str]:
+    """With a literal ``run_dir=PATH`` and no ``hydra.run.dir``, make PATH Hydra's output dir as
+    well: Hydra creates its run dir whatever run_dir says, leaving empty outputs/DATE/TIME folders."""
+    from parallel3d.launch.run import run_dir_override
+    from parallel3d.launch.sweep import MULTIRUN_FLAGS, key_of
+
+    given = [a.split("=", 1)[1] for a in argv[1:] if key_of(a) == "run_dir"]
+    if not given or "${" in given[-1] or any(key_of(a) == "hydra.run.dir" or a in MULTIRUN_FLAGS for a in argv):
+        return argv
+    return [*argv, run_dir_override(given[-1])]
 
 
 def refuse_multirun_under_torchrun() -> None:
@@ -311,6 +337,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     register_configs()
     OmegaConf.register_new_resolver("p3d.rank0_dir", rank0_dir, replace=True)
+    sys.argv = output_dir_is_run_dir(sys.argv)
     _hydra_main()
     if world_size_from_env() > 1:
         # The run is complete and its process group destroyed. gloo can still abort the process
