@@ -17,7 +17,7 @@ import time
 import pytest
 
 from conftest import FAST, Run, env, launch, relative_error
-from virtual_cluster import Nodes, SlurmCluster, cluster_unavailable, nodes_unavailable
+from virtual_cluster import TERMINAL, Nodes, SlurmCluster, cluster_unavailable, nodes_unavailable
 
 pytestmark = pytest.mark.multirank
 NO_NODES, NO_CLUSTER = nodes_unavailable(), cluster_unavailable()
@@ -65,27 +65,62 @@ def test_torchrun_on_two_nodes(rendezvous, reference, tmp_path):
     assert relative_error(run.losses, reference.losses) < 1e-5, (run.losses, reference.losses)
 
 
+SLURM = ["slurm.nodes=2", "slurm.gpus_per_node=0", "slurm.nproc_per_node=2", "slurm.network_interface=eth0",
+         "+slurm.env.OMP_NUM_THREADS=1", "+slurm.env.WANDB_MODE=offline"]
+
+
+def submit(cluster: SlurmCluster, run_dir, cwd, overrides: list[str]) -> str:
+    """parallel3d-slurm on the login host, as a user would run it; the job id."""
+    done = cluster.run([sys.executable, "-m", "parallel3d.launch.slurm", f"run_dir={run_dir}", *FAST, *LAYOUT,
+                        *SLURM, *overrides], env=env(), cwd=cwd, check=False, timeout=180)
+    found = re.search(r"parallel3d: submitted job (\d+)", done.stdout)
+    assert done.returncode == 0 and found, f"{done.stdout}\n{done.stderr}\n{cluster.logs()}"
+    return found.group(1)
+
+
+def report(cluster: SlurmCluster, run_dir, job_id: str, state: str) -> str:
+    log = run_dir / "slurm" / f"{job_id}.out"
+    return (f"job {job_id} ended {state}\n--- {log}\n{log.read_text()[-4000:] if log.exists() else '(none)'}\n"
+            f"{cluster.logs()}")
+
+
 @pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
 def test_slurm_job_on_two_nodes(reference, tmp_path):
     """parallel3d-slurm submits from the login host; srun starts one torchrun per node."""
     run_dir = tmp_path / "run"
-    slurm = ["slurm.nodes=2", "slurm.gpus_per_node=0", "slurm.nproc_per_node=2", "slurm.network_interface=eth0",
-             "+slurm.env.OMP_NUM_THREADS=1", "+slurm.env.WANDB_MODE=offline"]
     with SlurmCluster(2) as cluster:
-        submit = cluster.run([sys.executable, "-m", "parallel3d.launch.slurm", f"run_dir={run_dir}", *FAST, *LAYOUT,
-                              *slurm], env=env(), cwd=tmp_path, check=False, timeout=180)
-        found = re.search(r"parallel3d: submitted job (\d+)", submit.stdout)
-        assert submit.returncode == 0 and found, f"{submit.stdout}\n{submit.stderr}\n{cluster.logs()}"
-        job_id = found.group(1)
-        state = cluster.wait_for_job(job_id, TIMEOUT_S)
-        log = run_dir / "slurm" / f"{job_id}.out"
-        report = (f"job {job_id} ended {state}\n--- {log}\n{log.read_text()[-4000:] if log.exists() else '(none)'}\n"
-                  f"{cluster.logs()}")
+        job_id = submit(cluster, run_dir, tmp_path, [])
+        why = report(cluster, run_dir, job_id, cluster.wait_for_job(job_id, TIMEOUT_S))
     assert (run_dir / "slurm" / "job_id").read_text().strip() == job_id
-    assert log.exists(), report
-    assert "on p3dn[1-2], rendezvous p3dn1" in log.read_text(), report
+    log = run_dir / "slurm" / f"{job_id}.out"
+    assert log.exists(), why
+    assert "on p3dn[1-2], rendezvous p3dn1" in log.read_text(), why
     # Judged by what the run wrote, not the job's state: gloo rarely aborts a worker at exit after a
     # finished run (NOTES.md), and the job would then end FAILED.
-    run = Run(run_dir, 0, "", report)
+    run = Run(run_dir, 0, "", why)
+    run.assert_finished(10)
+    assert relative_error(run.losses, reference.losses) < 1e-5, (run.losses, reference.losses)
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
+def test_slurm_job_requeues_itself_before_its_time_limit_and_resumes(reference, tmp_path):
+    """Slurm's warning signal (USR1, slurm.requeue_grace_s before the limit) makes the job requeue
+    itself; the next attempt resumes from the newest checkpoint and ends with the same losses."""
+    run_dir = tmp_path / "run"
+    with SlurmCluster(2) as cluster:
+        job_id = submit(cluster, run_dir, tmp_path, ["checkpoint.every=3"])
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (run_dir / "checkpoints" / "step_3" / "COMPLETE").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        cluster.run(["scancel", "--batch", "--signal=USR1", job_id])  # what Slurm sends near the limit
+        while cluster.job_state(job_id) not in ("PENDING", *TERMINAL) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # Slurm holds a requeued job back for about two minutes (its BeginTime); not what is tested here.
+        cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+        why = report(cluster, run_dir, job_id, cluster.wait_for_job(job_id, TIMEOUT_S))
+    log = (run_dir / "slurm" / f"{job_id}.out").read_text()
+    assert "time limit near, requeueing" in log and f"job {job_id} (restart 1)" in log, why
+    assert "resumed from" in log, why
+    run = Run(run_dir, 0, "", why)
     run.assert_finished(10)
     assert relative_error(run.losses, reference.losses) < 1e-5, (run.losses, reference.losses)
