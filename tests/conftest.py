@@ -89,10 +89,22 @@ class Parity:
 
     def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
         if name not in self.runs:
-            run = launch(self.root / name, [*FAST, *overrides, "train.save_model=true"], nproc=nproc)
+            args = [*FAST, *overrides, "train.save_model=true"]
+            run = launch(self.root / name, args, nproc=nproc)
             run.assert_finished(10)
+            self.assert_planned_model_state(run, args, nproc)
             self.runs[name] = run
         return self.runs[name]
+
+    @staticmethod
+    def assert_planned_model_state(run: Run, overrides: list[str], nproc: int) -> None:
+        """The planner's model-state bytes are exactly what the run measured on its largest rank."""
+        from parallel3d.config import compose
+        from parallel3d.planner import predict
+
+        planned = predict(compose(overrides), nproc).model_state_bytes
+        measured = {key: run.metrics[-1][key] for key in planned}
+        assert planned == measured, f"planner {planned} != run {measured} ({' '.join(overrides)}, {nproc} ranks)"
 
     def reference(self, tied: bool = False) -> Run:
         return self.run(f"reference-tied{tied}", 1, [f"model.tie_embeddings={tied}", "train.micro_batch_size=16"])

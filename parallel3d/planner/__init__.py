@@ -1,0 +1,37 @@
+"""The layout planner: per-rank memory, communication, pipeline bubble and step time of a layout,
+before any process group exists; and a ranking of every layout of a model on a cluster.
+
+    from parallel3d.config import compose
+    from parallel3d.planner import Hardware, predict, rank_layouts
+
+    plan = predict(compose(["recipe=llama3_70b"]), 64, Hardware())   # one configured layout
+    plan.param_bytes, plan.activation_bytes, plan.peak_bytes, plan.comm_bytes, plan.bubble_fraction
+    ranked = rank_layouts(compose(["model=llama3_70b"]).model, 64, seq_len=8192, global_batch_size=1024)
+    best = next(c for c in ranked if c.recommended)
+
+What is exact and what is a model:
+
+* Model state (``param_bytes``, ``grad_bytes``, ``optim_state_bytes``, and ``Plan.rank_model_state``
+  for any rank): exact, byte for byte, for this code; tests/conftest.py checks it against every
+  parity run, tests/test_planner.py against fake-process-group ranks with uneven shards.
+* Activations per microbatch (``RankMemory.activation_per_microbatch``): counted tensor by tensor
+  (``planner/activations.py``); exact against CPU kernels in float32 and bfloat16 for every
+  checkpointing mode, with and without tensor/sequence parallelism, on every pipeline stage. On
+  CUDA it assumes the fused RMSNorm and flash attention (checked by no test here: no GPU).
+* Activations in flight (``activation_bytes``): replays torch's own schedule order.
+* ``peak_bytes``: model state + activations + an estimate of transient buffers (FSDP's unsharded
+  parameters and gradients, the loss gradient, the block in backward); not exact.
+* ``comm_bytes``: ring-algorithm bytes per rank per optimizer step (``planner/comm.py`` states the
+  convention); bubbles: textbook formulas, checked against torch's schedules.
+* ``step_time``: FLOPs at a fixed efficiency of peak, plus the bubble and the communication that
+  cannot overlap; a ranking device, not a benchmark.
+"""
+
+from parallel3d.planner.layout import Layout, ModelShape
+from parallel3d.planner.memory import ModelState
+from parallel3d.planner.plan import Hardware, Plan, RankMemory, StepTime, evaluate, predict
+from parallel3d.planner.schedule import bubble_fraction
+from parallel3d.planner.search import Candidate, rank_layouts
+
+__all__ = ["Candidate", "Hardware", "Layout", "ModelShape", "ModelState", "Plan", "RankMemory", "StepTime",
+           "bubble_fraction", "evaluate", "predict", "rank_layouts"]

@@ -1,0 +1,101 @@
+"""Activation memory: the bytes autograd keeps from forward to backward, per micro batch.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 2)
+count ``s·b·h·(34 + 5·a·s/h)`` bytes per GPT layer. Our blocks differ, so the terms below are
+counted tensor by tensor from what our forward saves (and were checked that way, see
+tests/test_planner.py): grouped-query attention (k and v are ``kv_dim`` wide), SwiGLU (three
+ffn-wide tensors plus the product), RMSNorm instead of LayerNorm, fused attention (no a·s²
+scores: SDPA saves its output and a float32 logsumexp), and RoPE (its rotated q and k are new
+tensors; the rotation itself saves only the cos/sin tables).
+
+Notation per micro batch: T = b·s tokens, c = bytes of the compute dtype, t = tp degree,
+Tn = T/t with sequence parallelism (norms and residual stream split over the sequence), else T.
+
+    RMSNorm      cuda (fused kernel): its input c·Tn·D, rstd 4·Tn
+                 cpu (composite, float32 inside): float32 input 4·Tn·D and x·rstd 4·Tn·D, rstd 4·Tn
+                 + its output as the next matmuls' input: c·T·D (all-gathered under sequence parallelism)
+    attention    rotated q c·T·D/t, rotated k and v 2·c·T·kv/t, output c·T·D/t, logsumexp 4·T·H/t
+                 (+ cpu: the head-merging copy of the output, c·T·D/t)
+    SwiGLU       w1 and w3 outputs, silu, product: 4·c·T·F/t
+
+Checkpointing modes (``parallel/activation.py``):
+    full         the block's input only: c·Tn·D
+    selective    full on blocks whose index is a multiple of ``activation_checkpoint_every``
+    op           the block's input and the outputs of every matmul and of SDPA (partial sums
+                 of wo and w2 are full width before their reduce-scatter): c·Tn·D + c·T·(2D/t
+                 + 2kv/t + 2D + 2F/t) + 4·T·H/t
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel3d.planner.layout import Layout, ModelShape, Stage
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Per-micro-batch sizes a rank sees."""
+
+    tokens: int  # T = micro batch x sequence length
+    tokens_norm: int  # Tn: tokens of the residual stream on this rank
+    c: int  # bytes per activation element (compute dtype)
+    t: int  # tensor-parallel degree
+    cpu: bool  # composite RMSNorm and a head-merging copy (CPU kernels); cuda: fused kernels
+
+    @classmethod
+    def of(cls, layout: Layout) -> "Geometry":
+        tokens = layout.micro_batch_size * layout.seq_len
+        split = layout.tp > 1 and layout.sequence_parallel
+        return cls(tokens, tokens // layout.tp if split else tokens, layout.compute_bytes, layout.tp,
+                   layout.device == "cpu")
+
+
+def norm_bytes(model: ModelShape, g: Geometry) -> int:
+    """One RMSNorm and its output as saved by the matmuls that read it."""
+    D, Tn = model.dim, g.tokens_norm
+    saved_inside = (4 + 4) * Tn * D if g.cpu else g.c * Tn * D
+    return saved_inside + 4 * Tn + g.c * g.tokens * D
+
+
+def block_bytes(model: ModelShape, g: Geometry, mode: str) -> int:
+    """Bytes one transformer block keeps per micro batch under checkpointing ``mode``
+    (``selective`` is resolved per block by :func:`stage_activation_bytes`)."""
+    D, F, kv, H, T, t, c = model.dim, model.ffn_dim, model.kv_dim, model.n_heads, g.tokens, g.t, g.c
+    block_input = c * g.tokens_norm * D
+    lse = 4 * T * H // t
+    if mode == "full":
+        return block_input
+    if mode == "op":  # SAC: matmul and SDPA outputs kept, everything else recomputed
+        return block_input + c * T * (2 * D // t + 2 * kv // t + 2 * D + 2 * F // t) + lse
+    attention = c * T * (2 * D + 2 * kv) // t + lse + (c * T * D // t if g.cpu else 0)
+    return 2 * norm_bytes(model, g) + attention + 4 * c * T * F // t
+
+
+def head_bytes(model: ModelShape, g: Geometry) -> int:
+    """The last stage's final norm and loss: log_softmax keeps its float32 output, vocab-sharded
+    under tensor parallelism (loss parallel); the logits themselves are not kept."""
+    return norm_bytes(model, g) + 4 * g.tokens * model.vocab_size // g.t
+
+
+def checkpointed(layer: int, layout: Layout) -> str:
+    mode = layout.activation_checkpoint
+    if mode == "selective":
+        return "full" if layer % layout.activation_checkpoint_every == 0 else "none"
+    return mode
+
+
+def stage_activation_bytes(model: ModelShape, stage: Stage, layout: Layout) -> int:
+    """Bytes one micro batch leaves alive in this stage between its forward and its backward.
+    (The embedding keeps only the input tokens; the vocabulary-parallel lookup's mask dies with
+    the reduction of its output.)"""
+    g = Geometry.of(layout)
+    total = sum(block_bytes(model, g, checkpointed(layer, layout)) for layer in stage.blocks)
+    if stage.last:
+        total += head_bytes(model, g)
+    else:  # the pipeline keeps the stage's output until the next stage sends its gradient back
+        total += g.c * g.tokens_norm * model.dim
+    first_saves_copy = g.cpu and g.c != 4 and (not stage.blocks or checkpointed(stage.blocks[0], layout) == "none")
+    if not stage.first and first_saves_copy:  # the received input is kept too, not only its float32 copy
+        total += g.c * g.tokens_norm * model.dim
+    return total

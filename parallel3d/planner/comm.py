@@ -1,0 +1,126 @@
+"""Communication per optimizer step: bytes each rank sends, by process group and collective.
+
+Convention: ring algorithms, as NCCL runs them on one group of n ranks. A collective over S
+bytes in total (the full tensor: what an all-gather produces, what a reduce-scatter or
+all-reduce consumes) makes each rank send
+
+    all_gather, reduce_scatter    S·(n-1)/n
+    all_reduce                    2·S·(n-1)/n     (a reduce-scatter then an all-gather)
+    send_recv                     the bytes it sends (pipeline activations and their gradients)
+
+Groups (the keys): ``dp`` is the flattened data-parallel group (dp_replicate x dp_shard) that DDP
+and ZeRO-1 reduce over; ``dp_shard`` and ``dp_replicate`` are FSDP's (HSDP: reduce-scatter within
+dp_shard, all-reduce of the shard across dp_replicate); ``tp``; ``pp``. Scalars (loss, grad norm)
+are left out.
+
+When the code communicates (see ``parallel/data.py`` and torch's pipelining stage):
+* DDP / ZeRO-1 all-reduce gradients once per optimizer step (no sync on the other micro
+  batches); under pipelining once per schedule step. ZeRO-1 then all-gathers the updated float32
+  rows. Gradients travel in ``train.reduce_dtype``, FSDP gathers parameters in ``param_dtype``.
+* FSDP reduce-scatters every micro batch. ZeRO-3 all-gathers each unit in forward and again in
+  backward, ZeRO-2 once per micro batch. Under pipelining the schedule keeps parameters and
+  accumulated gradients unsharded until its step ends: one reduce-scatter per schedule step, and
+  one all-gather per schedule step for ZeRO-2 (ZeRO-3 still reshards after each forward).
+* Tensor parallelism per block and micro batch, S = b·s·dim·c: with sequence parallelism two
+  all-gathers (before attention and the MLP) and two reduce-scatters (after wo and w2) in forward,
+  the same mirrored in backward; without it two all-reduces each way. A recomputed (checkpointed)
+  block repeats its forward collectives. The embedding reduces its vocab-parallel output, the
+  output projection gathers its input, and loss parallel all-reduces 3 floats per token.
+* Pipeline: each microbatch sends its activations (b·s·dim·c, s/tp under sequence parallelism)
+  to the next stage on another rank and the gradient back; tied embeddings all-reduce the
+  embedding gradient between the first and last stage (a group of two) once per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from parallel3d.planner.activations import Geometry, checkpointed
+from parallel3d.planner.layout import MASTER_BYTES, Layout, ModelShape, Stage, embedding_param
+from parallel3d.planner.memory import param_state, tp_local_shape
+
+GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp")
+
+
+def ring(kind: str, total_bytes: float, n: int) -> float:
+    """Bytes one rank sends in a ring ``kind`` collective over ``total_bytes`` on ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    return (2 if kind == "all_reduce" else 1) * total_bytes * (n - 1) / n
+
+
+def padded_numel(model: ModelShape, stage: Stage, layout: Layout, n: int) -> int:
+    """Elements of the stage's tp-local parameters, dim 0 padded to a multiple of n (FSDP's flat
+    all-gather moves the padding too)."""
+    total = 0
+    for spec, count in stage.counted_params(model):
+        shape = tp_local_shape(spec, layout.tp)
+        total += count * -(-shape[0] // n) * n * math.prod(shape[1:])
+    return total
+
+
+def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dict[str, dict[str, float]]:
+    """Bytes one rank holding ``stages`` sends per optimizer step, by group and collective."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    c, reduce, mb = layout.compute_bytes, layout.reduce_bytes, layout.micro_batches
+    piped = layout.pp > 1
+    syncs = layout.schedule_steps if piped else 1  # gradient reductions deferred to the step's end
+    for stage in stages:
+        if layout.dp > 1:
+            if layout.zero_stage <= 1:
+                numel = padded_numel(model, stage, layout, 1)
+                out["dp"]["all_reduce"] += syncs * ring("all_reduce", numel * reduce, layout.dp)
+                if layout.zero_stage == 1:
+                    out["dp"]["all_gather"] += ring("all_gather", numel * MASTER_BYTES, layout.dp)
+            elif layout.dp_shard > 1:
+                n = layout.dp_shard
+                numel = padded_numel(model, stage, layout, n)
+                reductions = syncs if piped else mb
+                gathers = {2: layout.schedule_steps if piped else mb, 3: 2 * mb}[layout.zero_stage]
+                out["dp_shard"]["all_gather"] += gathers * ring("all_gather", numel * c, n)
+                out["dp_shard"]["reduce_scatter"] += reductions * ring("reduce_scatter", numel * reduce, n)
+                out["dp_replicate"]["all_reduce"] += reductions * ring("all_reduce", numel * reduce / n,
+                                                                       layout.dp_replicate)
+        if layout.tp > 1:
+            _tensor_parallel(out["tp"], model, stage, layout)
+    if piped:
+        _pipeline(out["pp"], model, stages, layout)
+    return {group: dict(kinds) for group, kinds in out.items() if any(kinds.values())}
+
+
+def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, layout: Layout) -> None:
+    g = Geometry.of(layout)
+    t, mb, sp = layout.tp, layout.micro_batches, layout.sequence_parallel
+    act = g.tokens * model.dim * g.c  # one full-sequence activation, S
+    fwd_per_block = 2  # before attention and MLP (SP gathers) / after wo and w2 (reductions)
+    passes = sum(3 if checkpointed(layer, layout) != "none" else 2 for layer in stage.blocks)  # fwd, bwd, recompute
+    if sp:
+        out["all_gather"] += mb * passes * fwd_per_block * ring("all_gather", act, t)
+        out["reduce_scatter"] += mb * passes * fwd_per_block * ring("reduce_scatter", act, t)
+        norms = 2 * len(stage.blocks) + stage.last  # replicated norm weights, partial gradients
+        out["all_reduce"] += ring("all_reduce", norms * model.dim * MASTER_BYTES, t)
+    else:
+        out["all_reduce"] += mb * passes * fwd_per_block * ring("all_reduce", act, t)
+    ends = stage.first + stage.last  # embedding output reduced; output projection's input gathered
+    if sp:
+        out["all_gather"] += mb * ends * ring("all_gather", act, t)
+        out["reduce_scatter"] += mb * ends * ring("reduce_scatter", act, t)
+    else:
+        out["all_reduce"] += mb * ends * ring("all_reduce", act, t)
+    if stage.last:  # loss parallel: max, sum of exponentials and the target's logit per token
+        out["all_reduce"] += mb * ring("all_reduce", 3 * g.tokens * 4, t)
+
+
+def _pipeline(out: dict[str, float], model: ModelShape, stages: list[Stage], layout: Layout) -> None:
+    g = Geometry.of(layout)
+    act = g.tokens_norm * model.dim * g.c
+    held = {s.index for s in stages}
+    for stage in stages:
+        sends = (not stage.last and stage.index + 1 not in held) + (not stage.first and stage.index - 1 not in held)
+        out["send_recv"] += layout.micro_batches * sends * act
+    first_and_last = {0, layout.num_stages - 1}
+    if model.tie_embeddings and len(held & first_and_last) == 1:  # the two copies live on two ranks
+        grad = param_state(embedding_param(model), layout).grad_bytes
+        out["all_reduce"] += ring("all_reduce", grad, 2)
+

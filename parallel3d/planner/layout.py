@@ -1,0 +1,207 @@
+"""What the planner reasons about: a layout (degrees, ZeRO stage, schedule, batch, checkpointing)
+read from a validated config, and the model's parameters with the dimension tensor parallelism
+splits, placed on pipeline stages exactly as ``parallel3d.parallel.pipeline`` places them.
+
+Everything here is plain arithmetic on shapes: no process group, no tensor, so the planner can
+score hundreds of layouts of a 405B model in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from parallel3d.mesh import ParallelDims
+from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Master weights, gradients and AdamW moments: the model is built in float32 and stays so;
+# mixed precision casts copies (FSDP's MixedPrecisionPolicy, or autocast) for compute only.
+MASTER_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama model that memory and traffic depend on."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    tie_embeddings: bool
+
+    @classmethod
+    def from_config(cls, m) -> "ModelShape":
+        return cls(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Layout(ParallelDims):
+    """One way to run a model on ``world_size`` ranks (a validated config, flattened): the mesh's
+    degrees (``dp``, ``world_size`` from ParallelDims) and what else decides memory and time."""
+
+    zero_stage: int
+    sequence_parallel: bool = True
+    pp_schedule: str = "1F1B"
+    stages_per_rank: int = 1  # v: pipeline stages each pp rank runs (looped / V schedules)
+    layers_per_stage: Optional[tuple[int, ...]] = None  # blocks per stage; None: the even split
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
+    seq_len: int = 64
+    pp_microbatches: Optional[int] = None  # microbatches per schedule step; None: all of them
+    activation_checkpoint: str = "none"
+    activation_checkpoint_every: int = 2
+    fsdp_prefetch: int = 0
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    device: str = "cuda"  # whose kernels the activation model counts (cpu: composite RMSNorm, ...)
+
+    @classmethod
+    def from_config(cls, cfg, device: str | None = None) -> "Layout":
+        """From a config that ``validate.check`` has resolved (dp_shard >= 1, zero_stage set)."""
+        from parallel3d.validate import resolve_device
+
+        p, t, m = cfg.parallel, cfg.train, cfg.model
+        return cls(
+            dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
+            sequence_parallel=bool(p.sequence_parallel), pp_schedule=p.pp_schedule,
+            stages_per_rank=stages_per_rank(p.pp_schedule, p.pp_stages_per_rank) if p.pp > 1 else 1,
+            layers_per_stage=tuple(p.pp_layers_per_stage) if p.pp_layers_per_stage else None,
+            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
+            pp_microbatches=p.pp_microbatches, activation_checkpoint=m.activation_checkpoint,
+            activation_checkpoint_every=m.activation_checkpoint_every, fsdp_prefetch=p.fsdp_prefetch,
+            param_dtype=t.param_dtype,
+            reduce_dtype=t.reduce_dtype, device=resolve_device(t.device, device or "cuda"),
+        )
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro batches each data-parallel rank runs per optimizer step."""
+        return self.global_batch_size // self.dp // self.micro_batch_size
+
+    @property
+    def schedule_microbatches(self) -> int:
+        """Microbatches per pipeline schedule step (m in the bubble formulas)."""
+        return self.pp_microbatches or self.micro_batches
+
+    @property
+    def schedule_steps(self) -> int:
+        """Pipeline schedule steps per optimizer step (gradient accumulation over schedule steps)."""
+        return self.micro_batches // self.schedule_microbatches if self.pp > 1 else 1
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def reduce_bytes(self) -> int:
+        return DTYPE_BYTES[self.reduce_dtype]
+
+    def name(self) -> str:
+        """Short label, e.g. ``dp8 tp8 pp2/Interleaved1F1Bx2 z1 mb1 ac=full``."""
+        dp = f"hsdp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp_shard}"
+        pp = f"pp{self.pp}"
+        if self.pp > 1:
+            pp += f"/{self.pp_schedule}" + (f"x{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+        return f"{dp} tp{self.tp} {pp} z{self.zero_stage} mb{self.micro_batch_size} ac={self.activation_checkpoint}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of the full model: its shape and the dim tensor parallelism splits (None: replicated)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: Optional[int]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def block_params(model: ModelShape, layer: int) -> list[ParamSpec]:
+    """A transformer block's parameters with the splits of ``parallel.tensor.block_plan``:
+    column-parallel wq wk wv w1 w3 split their output features (dim 0 of the weight), row-parallel
+    wo w2 their input features (dim 1); the norms are replicated."""
+    D, F, q, kv = model.dim, model.ffn_dim, model.n_heads * model.head_dim, model.kv_dim
+    p = f"layers.{layer}."
+    return [
+        ParamSpec(p + "attention_norm.weight", (D,), None),
+        ParamSpec(p + "attention.wq.weight", (q, D), 0),
+        ParamSpec(p + "attention.wk.weight", (kv, D), 0),
+        ParamSpec(p + "attention.wv.weight", (kv, D), 0),
+        ParamSpec(p + "attention.wo.weight", (D, q), 1),
+        ParamSpec(p + "ffn_norm.weight", (D,), None),
+        ParamSpec(p + "feed_forward.w1.weight", (F, D), 0),
+        ParamSpec(p + "feed_forward.w2.weight", (D, F), 1),
+        ParamSpec(p + "feed_forward.w3.weight", (F, D), 0),
+    ]
+
+
+def embedding_param(model: ModelShape) -> ParamSpec:
+    return ParamSpec("tok_embeddings.weight", (model.vocab_size, model.dim), 0)  # vocabulary-parallel
+
+
+def head_params(model: ModelShape, holds_embedding: bool) -> list[ParamSpec]:
+    """The last stage's norm and output projection. A tied model projects with the embedding:
+    one matrix when the stage embeds too, else the stage's own copy of it."""
+    norm = ParamSpec("norm.weight", (model.dim,), None)
+    if not model.tie_embeddings:
+        return [norm, ParamSpec("output.weight", (model.vocab_size, model.dim), 0)]
+    return [norm] if holds_embedding else [norm, embedding_param(model)]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage (the whole model when pp = 1): which parts of the model it holds."""
+
+    index: int
+    blocks: range
+    first: bool  # embeds tokens
+    last: bool  # final norm, output projection and loss
+
+    def params(self, model: ModelShape) -> list[ParamSpec]:
+        """The stage's parameters, as ``pipeline.stage_model`` keeps them (a tied last stage holds
+        its own copy of the embedding as the output projection)."""
+        out = [embedding_param(model)] if self.first else []
+        for layer in self.blocks:
+            out += block_params(model, layer)
+        if self.last:
+            out += head_params(model, holds_embedding=self.first)
+        return out
+
+    def counted_params(self, model: ModelShape) -> list[tuple[ParamSpec, int]]:
+        """The same, as (parameter, how many): blocks are alike, so a 126-layer stage costs as
+        little to plan as one block (names are those of the first block)."""
+        out = [(embedding_param(model), 1)] if self.first else []
+        if self.blocks:
+            out += [(spec, len(self.blocks)) for spec in block_params(model, self.blocks[0])]
+        if self.last:
+            out += [(spec, 1) for spec in head_params(model, holds_embedding=self.first)]
+        return out
+
+
+def rank_stages(layout: Layout, n_layers: int, pp_rank: int) -> list[Stage]:
+    """The stages pipeline rank ``pp_rank`` runs, in stage order (see ``pipeline.build_parts``)."""
+    total = layout.num_stages
+    split = layer_split(n_layers, total, list(layout.layers_per_stage) if layout.layers_per_stage else None)
+    ids = stage_ids(pp_rank, layout.pp, layout.stages_per_rank, layout.pp_schedule) if layout.pp > 1 else [0]
+    return [Stage(i, split[i], first=i == 0, last=i == total - 1) for i in sorted(ids)]

@@ -1,0 +1,120 @@
+"""Per-rank memory: the model state (exact) and the buffers that come and go in a step (estimated).
+
+Model state is what ``metrics.model_state_bytes`` counts on a rank: the local shards of the
+parameters, of their gradients and of the optimizer's state tensors. It follows the code, not
+an idealization:
+
+* tensor parallelism divides a weight's split dim by tp (validation makes it divide evenly);
+  norms stay whole on every tp rank;
+* FSDP (ZeRO-2/3) shards the tp-local tensor's dim 0 over ``dp_shard`` like ``torch.chunk``:
+  ``ceil(rows / n)`` rows per rank, the last ones fewer (or none), so data-parallel rank 0
+  holds the most; HSDP's ``dp_replicate`` copies shards, it does not divide them;
+* ZeRO-1 (``parallel/zero1.py``) shards only the optimizer state, by the same dim-0 rule over
+  all data-parallel ranks; DDP and ZeRO-1 keep full (tp-local) gradients;
+* AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the (sharded) parameter plus a float32
+  ``step`` scalar tensor per parameter: 4 bytes that ``model_state_bytes`` counts too;
+* a tied last pipeline stage holds its own copy of the embedding (with gradient and state);
+* without any data parallelism the vocabulary-parallel embedding's gradient comes back from
+  DTensor replicated (full vocab x dim on every tp rank; the data-parallel wrappers and the tied
+  paths reshard it), measured on torch 2.13.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from parallel3d.planner.layout import MASTER_BYTES, Layout, ModelShape, ParamSpec, Stage, block_params
+
+ADAM_STEP_BYTES = 4  # AdamW's per-parameter ``step``: a float32 scalar tensor (torch.optim._get_scalar_dtype)
+ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq
+
+
+def chunk_rows(rows: int, n: int, rank: int) -> int:
+    """Rows of dim 0 that ``rank`` of ``n`` holds under torch.chunk semantics (FSDP2 and ZeRO-1)."""
+    per_rank = -(-rows // n)
+    return max(0, min(per_rank, rows - rank * per_rank))
+
+
+def tp_local_shape(spec: ParamSpec, tp: int) -> tuple[int, ...]:
+    if spec.tp_dim is None or tp == 1:
+        return spec.shape
+    shape = list(spec.shape)
+    shape[spec.tp_dim] //= tp
+    return tuple(shape)
+
+
+@dataclass(frozen=True)
+class ModelState:
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optim_state_bytes: int = 0
+
+    def __add__(self, other: "ModelState") -> "ModelState":
+        return ModelState(self.param_bytes + other.param_bytes, self.grad_bytes + other.grad_bytes,
+                          self.optim_state_bytes + other.optim_state_bytes)
+
+    def __mul__(self, count: int) -> "ModelState":
+        return ModelState(count * self.param_bytes, count * self.grad_bytes, count * self.optim_state_bytes)
+
+    @property
+    def total(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_state_bytes
+
+
+def param_state(spec: ParamSpec, layout: Layout, dp_rank: int = 0, replicated_grad: bool = False) -> ModelState:
+    """Bytes one rank holds for one parameter; ``dp_rank`` is its coordinate in the flattened
+    data-parallel mesh (dp_replicate outer, dp_shard inner), 0 holding the most.
+    ``replicated_grad``: the gradient is the full tensor, not the tp shard (see the docstring)."""
+    shape = tp_local_shape(spec, layout.tp)
+    rows, row_numel = shape[0], math.prod(shape[1:])
+    full = rows * row_numel * MASTER_BYTES
+    if layout.zero_stage >= 2 and layout.dp_shard > 1:  # FSDP: parameter, gradient and state sharded alike
+        local = chunk_rows(rows, layout.dp_shard, dp_rank % layout.dp_shard) * row_numel * MASTER_BYTES
+        return ModelState(local, local, ADAM_MOMENTS * local + ADAM_STEP_BYTES)
+    grad = spec.numel * MASTER_BYTES if replicated_grad else full
+    if layout.zero_stage == 1 and layout.dp > 1:  # ZeRO-1: the optimizer steps this rank's rows only
+        rows_held = chunk_rows(rows, layout.dp, dp_rank)
+        return ModelState(full, grad, ADAM_MOMENTS * rows_held * row_numel * MASTER_BYTES + ADAM_STEP_BYTES)
+    return ModelState(full, grad, ADAM_MOMENTS * full + ADAM_STEP_BYTES)
+
+
+def stage_model_state(model: ModelShape, stage: Stage, layout: Layout, dp_rank: int = 0) -> ModelState:
+    """Model state of one pipeline stage on the rank with data-parallel coordinate ``dp_rank``."""
+    # With neither data parallelism nor tying to reshard it, the embedding's gradient stays replicated.
+    replicated = layout.dp == 1 and layout.tp > 1 and not model.tie_embeddings
+    total = ModelState()
+    for spec, count in stage.counted_params(model):
+        is_input_embedding = stage.first and spec.name == "tok_embeddings.weight"
+        total += param_state(spec, layout, dp_rank, replicated_grad=replicated and is_input_embedding) * count
+    return total
+
+def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, block_peak: int) -> int:
+    """An estimate of the memory that comes and goes within a step on top of the model state
+    and the stored activations (a measured peak includes it, the model state does not):
+
+    * FSDP's unsharded parameters (compute dtype) and unsharded gradients (reduce dtype): ZeRO-3
+      holds the block being computed plus the prefetched one(s), ZeRO-2 every block from forward to
+      backward; under pipelining the schedule keeps a stage's parameters and accumulated gradients
+      unsharded for its whole step. DDP/ZeRO-1 in a lower compute precision hold a cast copy.
+    * the loss: the gradient of the vocab-sharded logits, in float32 and in the compute dtype;
+    * ``block_peak``: what the block in backward rematerializes (checkpointing) or allocates for
+      its gradients.
+    """
+    c, reduce = layout.compute_bytes, layout.reduce_bytes
+    stage_numel = sum(n * math.prod(tp_local_shape(p, layout.tp)) for s in stages
+                      for p, n in s.counted_params(model))
+    block = sum(math.prod(tp_local_shape(p, layout.tp)) for p in block_params(model, 0))
+    if layout.zero_stage >= 2 and layout.dp_shard > 1:
+        if layout.pp > 1:
+            gathered = stage_numel * (c + reduce)
+        elif layout.zero_stage == 2:
+            gathered = stage_numel * c + block * reduce
+        else:
+            units = 1 + max(1, layout.fsdp_prefetch)  # the block in compute and the one prefetched
+            gathered = units * block * c + block * reduce
+    else:
+        gathered = stage_numel * c if c != MASTER_BYTES else 0
+    tokens = layout.micro_batch_size * layout.seq_len
+    loss = (4 + c) * tokens * model.vocab_size // layout.tp if any(s.last for s in stages) else 0
+    return gathered + max(loss, block_peak)
