@@ -1,0 +1,291 @@
+"""Dry run: the real program for chosen ranks of a large layout, on one CPU, with no real memory.
+
+For each rank: compose the config and ``validate.check`` it (a ConfigError comes before anything
+is built), start torch's *fake* process group as that rank (collectives return at once, moving
+nothing), build the mesh, build and parallelize the model exactly as ``train.build_model`` does
+and materialize it inside ``FakeTensorMode`` (tensors with shapes, dtypes and storages but no
+data), build the optimizer, then run one ``train.train_step``: forward and backward through the
+pipeline schedule under pp, clipping, optimizer and lr steps. Meanwhile a MemTracker follows
+every tensor storage (peak and what it held at the peak) and a dispatch mode records every
+collective with its process group and size.
+
+Pipelining on the fake process group: the schedule's start-up exchanges values (a vote on static
+or dynamic shape inference, then shapes), and a fake group returns none. So the dry run gives each
+stage its input/output metadata (tokens, or hidden states of micro_batch x seq (/tp under sequence
+parallelism) x dim, in the compute dtype), answers the vote "static" as every stage then would,
+and turns on torch's runtime check of each stage's tensors against that metadata: a wrong guess
+fails loudly. Everything else, the send/recv of every micro batch included, runs as in training.
+
+Memory: ``peak_bytes`` is all tensor memory at the step's peak (a GPU adds its CUDA context, NCCL
+buffers and allocator fragmentation); ``peak_breakdown`` splits it by MemTracker's categories:
+Parameter (with FSDP's gathered copies while they exist), Gradient (as autograd accumulates
+them), Optstate, Activation (made in forward: saved tensors, all-gather and receive buffers), Temp
+(made in backward), Buffer (RoPE tables), Other (the batch).
+
+Not run: data loading, checkpoints, logging (whose all-reduces every log step are scalars: the
+loss over pp and dp, 4 bytes each, and per-rank memory over the world, 32 bytes).
+
+Communication convention (per rank, per optimizer step): ``bytes`` is the payload of a call:
+all-gather its output, reduce-scatter its input, all-reduce/broadcast/send/recv the tensor,
+all-to-all its input. ``sent_bytes`` is what this rank puts on the wire under ring algorithms:
+(n-1)/n of the payload for all-gather, reduce-scatter, broadcast and all-to-all, 2(n-1)/n for
+all-reduce, all of it for send, nothing for recv (n: the group's size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
+from torch.distributed.tensor import DTensor, _sharding_prop
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from parallel3d.config import Config, compose
+from parallel3d.data import BatchSpec
+from parallel3d.mesh import Meshes, ParallelDims, build_mesh
+from parallel3d.metrics import model_state_bytes
+from parallel3d.optim import build_lr_scheduler, build_optimizer
+from parallel3d.validate import DTYPES, check
+
+COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
+NOT_COMMUNICATION = ("wait_tensor", "barrier", "monitored_barrier_", "_wrap_tensor_autograd")
+# Op-name fragment -> kind, most specific first ("_reduce_scatter_base_" is no all-reduce).
+KINDS = (("reduce_scatter", "reduce_scatter"), ("allgather", "all_gather"), ("all_gather", "all_gather"),
+         ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"), ("broadcast", "broadcast"),
+         ("alltoall", "all_to_all"), ("all_to_all", "all_to_all"), ("send", "send"), ("recv", "recv"))
+RING_FACTOR = {"all_reduce": 2.0, "send": None, "recv": 0.0}  # x (n-1)/n; None: the whole payload
+
+
+@dataclass
+class CommStat:
+    group_size: int = 1  # n, ranks in the process group
+    calls: int = 0
+    bytes: int = 0  # payload, see the module docstring
+    sent_bytes: float = 0.0  # on the wire from this rank, ring algorithms
+
+
+@dataclass
+class RankReport:
+    rank: int
+    coords: dict[str, int]  # this rank's index along each mesh dimension
+    stages: list[int]  # the pipeline stages it runs
+    param_bytes: int  # local shards, as metrics.model_state_bytes counts them
+    grad_bytes: int
+    optim_state_bytes: int
+    peak_bytes: int  # all tensor memory at the step's peak
+    peak_breakdown: dict[str, int]  # what it held at that moment, by MemTracker's categories
+    comm: dict[str, dict[str, CommStat]] = field(default_factory=dict)  # mesh dim -> kind -> totals
+    seconds: float = 0.0
+
+
+class CommRecorder(TorchDispatchMode):
+    """Records the collectives that reach the dispatcher: FSDP's c10d calls, DTensor's functional
+    collectives, pipeline send/recv. Observation only: every op runs as it would."""
+
+    def __init__(self, dim_of_group: dict[str, str]):
+        super().__init__()
+        self.dim_of_group = dim_of_group
+        self.stats: dict[str, dict[str, CommStat]] = defaultdict(lambda: defaultdict(CommStat))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor lower itself to local ops and collectives first
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name.split("::")[-1]
+        if func.namespace in COMM_NAMESPACES and name not in NOT_COMMUNICATION:
+            self._record(func.namespace, name, args, out)
+        return out
+
+    def _record(self, namespace: str, name: str, args, out) -> None:
+        kind = next((k for fragment, k in KINDS if fragment in name), name)
+        if namespace == "c10d":  # (outputs, inputs, group, ...) or (tensors, group, reduce op, ...)
+            group = dist.ProcessGroup.unbox(next(a for a in args if isinstance(a, torch.ScriptObject)))
+            payload = args[1] if kind in ("reduce_scatter", "all_to_all") else args[0]
+        else:  # functional: (input, ..., group_name) -> output
+            group = _resolve_process_group([a for a in args if isinstance(a, str)][-1])
+            payload = out if kind == "all_gather" else args[0]
+        nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(payload) if isinstance(t, torch.Tensor))
+        n = group.size()
+        factor = RING_FACTOR.get(kind, 1.0)
+        stat = self.stats[self.dim_of_group.get(group.group_name, f"group {group.group_name}")][kind]
+        stat.group_size = n
+        stat.calls += 1
+        stat.bytes += nbytes
+        stat.sent_bytes += nbytes if factor is None else factor * nbytes * (n - 1) / n
+
+
+class ForwardHookModTracker(ModTracker):
+    """The module tracking MemTracker needs, without ModTracker's backward hooks: those are
+    multi-grad hooks on each module's inputs, and on a pipeline stage's leaf input they break
+    torch.autograd.grad, which the zero-bubble schedules call to split backward. MemTracker's
+    backward state comes from the autograd engine (``is_bw``), not from these hooks."""
+
+    def _fw_pre_hook(self, mod, input) -> None:
+        self._get_mod_name(mod)  # registers the names MemTracker looks up
+        if self._user_pre_fw_hook is not None:
+            self._user_pre_fw_hook(mod, input)
+
+    def _fw_post_hook(self, mod, input, output) -> None:
+        if self._user_post_fw_hook is not None:
+            self._user_post_fw_hook(mod, input, output)
+
+
+class StepMemTracker(MemTracker):
+    """MemTracker for one step of several micro batches, keeping only what the dry run reports:
+    totals by category and their peak, updated op by op. (MemTracker takes a root module's second
+    forward for a second iteration and refuses it, to protect per-module snapshots not used here.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = ForwardHookModTracker()
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            return
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # After every op. MemTracker also updates each active module's own peak, looping over all
+        # modules (half the dry run's time on a 405B stage); only the global peak is kept here.
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+
+
+def representative_ranks(parallel, world_size: int) -> list[int]:
+    """The first rank of each pipeline stage (pp is the outermost mesh dim): stages hold different
+    layers, while ranks within a stage differ only by the odd uneven shard."""
+    return list(range(0, world_size, world_size // parallel.pp))
+
+
+def dry_run(overrides: list[str], world_size: int, ranks: list[int] | None = None) -> list[RankReport]:
+    """Run one training step of ``ranks`` (default: one per pipeline stage) of the configured layout
+    on ``world_size`` fake ranks; see the module docstring. Raises ConfigError before building."""
+    if not any(o.startswith("run_dir=") for o in overrides):  # never written: the checks only read it
+        overrides = [*overrides, f"run_dir={tempfile.gettempdir()}/parallel3d-dryrun"]
+    cfg = compose(overrides)
+    # The layout is meant for the cluster: check it against that cluster's device, not this CPU's.
+    check(cfg, world_size, device="cpu" if cfg.train.device == "cpu" else "cuda")
+    c: Config = OmegaConf.to_object(cfg)
+    ranks = representative_ranks(c.parallel, world_size) if ranks is None else ranks
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"ranks {bad} are outside 0..{world_size - 1}")
+    return [run_rank(c, world_size, r) for r in ranks]
+
+
+def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankReport:
+    """One rank's dry run (on the fake process group, started and destroyed here). ``fake=False``
+    runs it on real tensors instead (a small model's check of what fake tensors report)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from parallel3d.train import build_model, train_step
+
+    start = time.perf_counter()
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        dims = ParallelDims.from_config(c.parallel)
+        device = torch.device("cpu")
+        meshes = build_mesh(dims, device.type)
+        t = c.train
+        spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
+        tokens_per_rank = spec.local_batch_size * t.seq_len
+
+        def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # as in train.train
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
+
+        tensors = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        model, pipeline, tied = build_model(c, meshes, device, c.parallel.pp_microbatches or spec.num_micro_batches,
+                                            token_loss, materialize=tensors)
+        if pipeline is not None:
+            _static_stage_metadata(pipeline, c, dims)
+        recorder = CommRecorder(_dim_of_group(meshes, tied))
+        with tensors:
+            optimizer = build_optimizer(model, c.optim, meshes, c.parallel.zero_stage)
+            scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
+            micro_batches = [(torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len)),
+                              torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len)))
+                             for _ in range(spec.num_micro_batches)]
+            tracker = StepMemTracker()
+            tracker.track_external(model, optimizer, micro_batches)
+            with tracker, recorder, _own_fake_mode_for_sharding_propagation():
+                train_step(c, meshes, device, model, pipeline, tied, optimizer, scheduler, micro_batches, token_loss)
+            state = model_state_bytes(model, optimizer)  # as train() measures it: after the step, grads kept
+        peak = tracker.get_tracker_snapshot("peak").get(device, {})
+        coords = {name: meshes.world.get_local_rank(name) for name in meshes.world.mesh_dim_names} \
+            if meshes.world is not None else {}
+        return RankReport(
+            rank=rank, coords=coords, stages=[s.stage_index for s in pipeline.stages] if pipeline else [0],
+            **state, peak_bytes=peak.get("Total", 0),
+            peak_breakdown={str(getattr(k, "value", k)): v for k, v in peak.items() if k != "Total"},
+            comm={dim: dict(kinds) for dim, kinds in recorder.stats.items()},
+            seconds=time.perf_counter() - start)
+    finally:
+        dist.destroy_process_group()
+        # DTensor caches sharding decisions by mesh *layout*; the next rank's meshes have the same
+        # layouts but new process groups, so cached results would name this rank's dead groups.
+        _clear_sharding_prop_cache()
+        clear_redistribute_planner_cache()
+        gc.collect()
+
+
+def _own_fake_mode_for_sharding_propagation():
+    """DTensor infers each op's global output shape by running it on global-shape fake tensors, in
+    the active fake mode if there is one: the dry run's, whose every tensor MemTracker counts (a
+    whole unsharded weight or the full vocabulary's logits, briefly). Give it a fake mode of its own,
+    as in a real run, so that MemTracker, which ignores other fake modes, counts local tensors only."""
+    return mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args, **kwargs: None)
+
+
+def _dim_of_group(meshes: Meshes, tied) -> dict[str, str]:
+    """Process-group name -> the mesh dimension(s) it spans."""
+    names = {dist.group.WORLD.group_name: "world"}
+    if meshes.world is not None:
+        for dim in meshes.world.mesh_dim_names:
+            names[meshes.world.get_group(dim).group_name] = dim
+    if meshes.dp is not None and meshes.dp.mesh_dim_names == ("dp",):  # dp_replicate x dp_shard, flattened
+        names[meshes.dp.get_group().group_name] = "dp"
+    if tied is not None and tied.group is not None:  # first and last pp stage of one (dp, tp) coordinate
+        names[tied.group.group_name] = "pp_ends"
+    return names
+
+
+def _static_stage_metadata(pipeline, c: Config, dims: ParallelDims) -> None:
+    """Give each stage the shapes its neighbours would have sent at start-up (see module docstring)."""
+    t = c.train
+    seq = t.seq_len // dims.tp if dims.tp > 1 and c.parallel.sequence_parallel else t.seq_len
+    # The FSDP/replicate mixed-precision policy computes in param_dtype; without data parallelism
+    # autocast does, but the residual stream (embedding + block outputs) stays float32.
+    dtype = DTYPES[t.param_dtype] if dims.dp > 1 else torch.float32
+    with torch.device("meta"):
+        hidden = torch.empty(t.micro_batch_size, seq, c.model.dim, dtype=dtype, requires_grad=True)
+        tokens = torch.empty(t.micro_batch_size, t.seq_len, dtype=torch.long)
+        logits = torch.empty(t.micro_batch_size, t.seq_len, c.model.vocab_size // dims.tp)  # counted only
+    for stage in pipeline.stages:
+        stage._user_meta = _StageMeta(inputs=extract_tensor_metas((tokens,) if stage.is_first else (hidden,)),
+                                      outputs=extract_tensor_metas((logits,) if stage.is_last else (hidden,)))
+        stage._runtime_validate = True  # every micro batch's tensors are checked against the metadata
+
+    def vote_static(stages, has_backward, p2p_done) -> None:  # what the vote returns once all have metadata
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    pipeline.schedule._warmup_p2p = vote_static
