@@ -142,3 +142,27 @@ def test_plain_torchrun_with_restarts_is_warned_about_the_shared_store(monkeypat
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared_store)
     warn_about_restarts()
     assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err) == warned
+
+
+def test_a_literal_run_dir_is_also_hydras_output_dir(tmp_path):
+    """No empty outputs/DATE/TIME folder beside a run that names its run_dir."""
+    from parallel3d.train import output_dir_is_run_dir
+
+    argv = ["train.py", f"run_dir={tmp_path / 'r'}", "train.steps=2"]
+    assert output_dir_is_run_dir(argv) == [*argv, f"hydra.run.dir=${{p3d.rank0_dir:'{tmp_path / 'r'}'}}"]
+    for kept in (["train.py", "run_dir=${oc.env:X}"], ["train.py", "run_dir=a", "hydra.run.dir=b"],
+                 ["train.py", "--multirun", "run_dir=a"], ["train.py", "train.steps=2"]):
+        assert output_dir_is_run_dir(kept) == kept
+    run = launch(tmp_path / "r", [*FAST, "train.steps=2", "optim.warmup_steps=1"])
+    run.assert_finished(2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+@pytest.mark.multirank
+def test_hydra_multirun_under_torchrun_is_refused(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "parallel3d.train", "--multirun", "optim.lr=1e-3,3e-3"], capture_output=True,
+                          text=True, timeout=300, env=env(), cwd=tmp_path)
+    assert done.returncode != 0
+    assert "parallel3d: config error: --multirun=under torchrun" in done.stderr and "parallel3d-run" in done.stderr
+    assert not (tmp_path / "multirun").exists() or not any((tmp_path / "multirun").rglob("metrics.jsonl"))

@@ -126,10 +126,6 @@ def first_config_error(overrides: list[str], sizes: list[int], device: str | Non
     return None
 
 
-def _sets(override: str, key: str) -> bool:
-    return override.lstrip("+").startswith(f"{key}=")
-
-
 def pin_run_dir(overrides: list[str]) -> list[str]:
     """These overrides with ``hydra.run.dir`` resolved now, unless they name a ``run_dir`` already.
 
@@ -138,9 +134,9 @@ def pin_run_dir(overrides: list[str]) -> list[str]:
     The pinned path keeps conf/config.yaml's ``p3d.rank0_dir`` wrapper: ranks other than 0 still
     make no folder of their own (other nodes' launchers may have read another second).
     """
-    if any(_sets(o, "run_dir") for o in overrides):
+    if any(sweep.key_of(o) == "run_dir" for o in overrides):
         return overrides
-    return [*(o for o in overrides if not _sets(o, "hydra.run.dir")), run_dir_override(hydra_run_dir(overrides))]
+    return [*(o for o in overrides if sweep.key_of(o) != "hydra.run.dir"), run_dir_override(hydra_run_dir(overrides))]
 
 
 def run_dir_override(path: str | os.PathLike) -> str:
@@ -161,6 +157,11 @@ def register_rank0_dir() -> None:
 
 def hydra_run_dir(overrides: list[str]) -> str:
     """``hydra.run.dir`` as rank 0 of a run started now with these overrides would resolve it."""
+    return str(hydra_settings(overrides).run.dir)
+
+
+def hydra_settings(overrides: list[str]):
+    """The ``hydra`` node of the config these overrides compose, resolved now (timestamps included)."""
     from hydra import compose, initialize_config_dir
 
     from parallel3d.config import CONF_DIR, register_configs
@@ -168,9 +169,7 @@ def hydra_run_dir(overrides: list[str]) -> str:
     register_configs()
     register_rank0_dir()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    return str(cfg.hydra.run.dir)
-
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra
 
 if __name__ == "__main__":
     main()

@@ -67,17 +67,9 @@ def record(jobs: list[Job]) -> Path:
 
 def sweep_dir(overrides: list[str]) -> str:
     """``hydra.sweep.dir`` as Hydra would resolve it for a sweep started now."""
-    from hydra import compose, initialize_config_dir
+    from parallel3d.launch.run import hydra_settings
 
-    from parallel3d.config import CONF_DIR, register_configs
-    from parallel3d.launch.run import register_rank0_dir
-
-    register_configs()
-    register_rank0_dir()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    return str(cfg.hydra.sweep.dir)
-
+    return str(hydra_settings(overrides).sweep.dir)
 
 def key_of(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+")
