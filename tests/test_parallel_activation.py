@@ -17,6 +17,10 @@ LAYOUTS = {
                               "train.micro_batch_size=4"]),
     "tp2-ac-selective": (2, ["parallel.tp=2", "model.activation_checkpoint=selective", "train.micro_batch_size=8"]),
     "pp2-ac-op": (2, ["parallel.pp=2", "model.activation_checkpoint=op", "train.micro_batch_size=2"]),
+    # Op-level checkpointing replays recorded ops; the data-parallel wrappers' hooks must stay
+    # outside what it replays (they once failed the first backward: parallel/activation.py).
+    "dp2-zero3-ac-op": (2, ["parallel.zero_stage=3", "model.activation_checkpoint=op", "train.micro_batch_size=4"]),
+    "dp2-zero1-ac-op": (2, ["parallel.zero_stage=1", "model.activation_checkpoint=op", "train.micro_batch_size=4"]),
     "compile": (1, ["model.compile=true", "train.micro_batch_size=8"]),
     "dp2-zero3-compile": (2, ["parallel.zero_stage=3", "model.compile=true", "train.micro_batch_size=8"]),
     "pp2-compile": (2, ["parallel.pp=2", "model.compile=true", "train.micro_batch_size=2"]),

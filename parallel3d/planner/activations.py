@@ -22,8 +22,9 @@ Checkpointing modes (``parallel/activation.py``):
     full         the block's input only: c·Tn·D
     selective    full on blocks whose index is a multiple of ``activation_checkpoint_every``
     op           the block's input and the outputs of every matmul and of SDPA (partial sums
-                 of wo and w2 are full width before their reduce-scatter): c·Tn·D + c·T·(2D/t
-                 + 2kv/t + 2D + 2F/t) + 4·T·H/t
+                 of wo and w2 are full width before their reduce-scatter), and under tensor
+                 parallelism those two reductions' outputs: c·Tn·D + c·T·(2D/t + 2kv/t + 2D
+                 + 2F/t) + 4·T·H/t (+ 2·c·Tn·D when t > 1)
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def block_bytes(model: ModelShape, g: Geometry, mode: str) -> int:
     lse = 4 * T * H // t
     if mode == "full":
         return block_input
-    if mode == "op":  # SAC: matmul and SDPA outputs kept, everything else recomputed
-        return block_input + c * T * (2 * D // t + 2 * kv // t + 2 * D + 2 * F // t) + lse
+    if mode == "op":  # SAC: matmul, SDPA and tp reduction outputs kept, everything else recomputed
+        reductions = 2 * c * g.tokens_norm * D if t > 1 else 0
+        return block_input + c * T * (2 * D // t + 2 * kv // t + 2 * D + 2 * F // t) + lse + reductions
     attention = c * T * (2 * D + 2 * kv) // t + lse + (c * T * D // t if g.cpu else 0)
     return 2 * norm_bytes(model, g) + attention + 4 * c * T * F // t
 
