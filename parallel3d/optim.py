@@ -53,6 +53,21 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim, steps: int) -> t
 
 
 @torch.no_grad()
+def settle_gradients(params) -> None:
+    """Give each DTensor gradient its parameter's placements, once, after backward.
+
+    Under tensor parallelism without a data-parallel wrapper (which does this as it reduces),
+    autograd leaves the gradients of replicated weights (the norms, under sequence parallelism)
+    ``Partial``: every later read (the norm, then each of AdamW's three uses) would all-reduce
+    them again. The vocabulary-parallel embedding's gradient comes back ``Replicate``: sharding
+    it is a local slice that frees (tp-1)/tp of it.
+    """
+    for p in params:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(placements=p.placements)
+
+
+@torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, pp_group=None, uncounted=()) -> torch.Tensor:
     """Clip to a global norm over every shard of every gradient; returns the norm before clipping.
 

@@ -33,7 +33,7 @@ from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
-from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
 from parallel3d.parallel import parallelize
 from parallel3d.parallel.data import set_gradient_sync
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts, build_schedule, num_stages
@@ -277,9 +277,10 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
                                        losses=losses)
             for loss in losses:
                 loss_sum += _local(loss.detach())
+    params = [p for p in model.parameters() if p.requires_grad]
+    settle_gradients(params)
     if tied is not None:
         tied.sync_gradients()
-    params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = clip_grad_norm_(params, c.train.grad_clip, pp_group=meshes.pp.get_group() if meshes.pp else None,
                                 uncounted=tied.output_copies if tied else ())
     optimizer.step()

@@ -358,15 +358,20 @@ def _bytes(plan, group: str, kind: str) -> float:
     return plan.comm_bytes.get(group, {}).get(kind, 0.0)
 
 
-def test_zero3_gathers_twice_and_reduce_scatters_once_per_micro_batch():
+def test_zero3_gathers_blocks_twice_the_root_once_and_reduce_scatters_once_per_micro_batch():
     numel = 918_656  # tiny: every dim divides by 4, so FSDP pads nothing
+    root = 2 * 512 * 128 + 128  # embedding, output, final norm
     plan = predict(compose(["parallel.zero_stage=3", "train.micro_batch_size=4"]), 4)  # 1 micro batch
-    assert _bytes(plan, "dp_shard", "all_gather") == 2 * 4 * numel * 3 / 4
+    assert _bytes(plan, "dp_shard", "all_gather") == 4 * (2 * numel - root) * 3 / 4
     assert _bytes(plan, "dp_shard", "reduce_scatter") == 4 * numel * 3 / 4
     accumulating = predict(compose(["parallel.zero_stage=3", "train.micro_batch_size=1"]), 4)  # 4 of them
     assert _bytes(accumulating, "dp_shard", "all_gather") == 4 * _bytes(plan, "dp_shard", "all_gather")
     zero2 = predict(compose(["parallel.zero_stage=2", "train.micro_batch_size=4"]), 4)
-    assert _bytes(zero2, "dp_shard", "all_gather") == _bytes(plan, "dp_shard", "all_gather") / 2
+    assert _bytes(zero2, "dp_shard", "all_gather") == 4 * numel * 3 / 4
+    # Under pp ZeRO-3 keeps parameters gathered through the schedule step, as ZeRO-2 does.
+    piped = ["parallel.pp=2", "train.micro_batch_size=1"]
+    assert (predict(compose([*piped, "parallel.zero_stage=3"]), 4).comm_bytes
+            == predict(compose([*piped, "parallel.zero_stage=2"]), 4).comm_bytes)
 
 
 def test_ddp_all_reduces_once_per_step_and_zero1_gathers_parameters():
@@ -401,6 +406,7 @@ def test_tensor_parallel_traffic_per_block():
     full = predict(compose(["parallel.tp=2", "train.micro_batch_size=16", "train.seq_len=64",
                             "model.activation_checkpoint=full"]), 2)
     assert _bytes(full, "tp", "all_gather") == (4 * 6 + 2) * act / 2  # recompute repeats the forward's
+    assert _bytes(full, "tp", "reduce_scatter") == (4 * 5 + 2) * act / 2  # ... up to wo's reduction
 
 
 def test_pipeline_sends_activations_and_gradients():

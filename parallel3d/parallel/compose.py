@@ -27,6 +27,7 @@ def data_parallel_plan(parallel, train) -> DataParallelPlan:
         min_params=parallel.fsdp_min_params,
         prefetch=parallel.fsdp_prefetch,
         cpu_offload=parallel.cpu_offload,
+        pipelined=parallel.pp > 1,
     )
 
 

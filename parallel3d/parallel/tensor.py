@@ -13,7 +13,7 @@ activation memory). Without it the residual stream is replicated and wo/w2 all-r
     layer                   sequence parallel (default)              without
     tok_embeddings          rowwise over vocab -> Shard(1) (seq)     rowwise over vocab -> Replicate
     attention_norm/ffn_norm SequenceParallel                         replicated
-    attention/feed_forward  gather the sequence: Shard(1)->Replicate -
+    attention/feed_forward  gather the sequence: Shard(1)->Replicate input as a Replicate DTensor
     wq wk wv w1 w3          colwise                                  colwise
     wo w2                   rowwise -> Shard(1)                      rowwise -> Replicate
     norm                    SequenceParallel                         replicated
@@ -52,15 +52,18 @@ def block_plan(sequence_parallel: bool) -> dict:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
+    # attention and feed_forward take their input as one Replicate DTensor (gathered along the
+    # sequence first under sequence parallelism; x of (x, cos, sin): the rotary tables are plain
+    # tensors). Then the gradients that wq/wk/wv (w1/w3) return for it are summed as one Partial
+    # DTensor and reduced once per module; given a plain tensor, each colwise layer would make a
+    # DTensor of its own and all-reduce its own gradient (3 + 2 all-reduces per block, not 1 + 1).
+    plan |= {
+        "attention": PrepareModuleInput(input_layouts=(residual, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+    }
     if sequence_parallel:
-        plan |= {
-            "attention_norm": SequenceParallel(),
-            "ffn_norm": SequenceParallel(),
-            # (x, cos, sin): gather x's sequence; the rotary tables are plain tensors, left alone.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        }
+        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     return plan
 
 

@@ -17,15 +17,21 @@ When the code communicates (see ``parallel/data.py`` and torch's pipelining stag
 * DDP / ZeRO-1 all-reduce gradients once per optimizer step (no sync on the other micro
   batches); under pipelining once per schedule step. ZeRO-1 then all-gathers the updated float32
   rows. Gradients travel in ``train.reduce_dtype``, FSDP gathers parameters in ``param_dtype``.
-* FSDP reduce-scatters every micro batch. ZeRO-3 all-gathers each unit in forward and again in
-  backward, ZeRO-2 once per micro batch. Under pipelining the schedule keeps parameters and
-  accumulated gradients unsharded until its step ends: one reduce-scatter per schedule step, and
-  one all-gather per schedule step for ZeRO-2 (ZeRO-3 still reshards after each forward).
+* FSDP reduce-scatters every micro batch. ZeRO-3 all-gathers each block in forward and again in
+  backward and the root (embedding, final norm, output) once per micro batch (FSDP keeps the
+  root gathered for backward); ZeRO-2 gathers everything once per micro batch. Under pipelining
+  the schedule keeps parameters and accumulated gradients unsharded until its step ends, and
+  ZeRO-3 does not reshard after forward there: one all-gather and one reduce-scatter per
+  schedule step.
 * Tensor parallelism per block and micro batch, S = b·s·dim·c: with sequence parallelism two
   all-gathers (before attention and the MLP) and two reduce-scatters (after wo and w2) in forward,
-  the same mirrored in backward; without it two all-reduces each way. A recomputed (checkpointed)
-  block repeats its forward collectives. The embedding reduces its vocab-parallel output, the
-  output projection gathers its input, and loss parallel all-reduces 3 floats per token.
+  the same mirrored in backward; without it two all-reduces each way. A recomputed block repeats
+  some (``parallel/activation.py``): full checkpointing the two all-gathers and the reduction
+  after wo, op-level the all-gathers only. The embedding reduces its vocab-parallel output, the
+  output projection gathers its input, and loss parallel all-reduces 3 floats per token. Norm
+  weights are replicated under sequence parallelism and their gradients partial sums, all-reduced
+  each time the data-parallel wrapper reduces gradients (FSDP: every micro batch), or once per
+  step without one.
 * Pipeline: each microbatch sends its activations (b·s·dim·c, s/tp under sequence parallelism)
   to the next stage on another rank and the gradient back; tied embeddings all-reduce the
   embedding gradient between the first and last stage (a group of two) once per step.
@@ -50,11 +56,13 @@ def ring(kind: str, total_bytes: float, n: int) -> float:
     return (2 if kind == "all_reduce" else 1) * total_bytes * (n - 1) / n
 
 
-def padded_numel(model: ModelShape, stage: Stage, layout: Layout, n: int) -> int:
-    """Elements of the stage's tp-local parameters, dim 0 padded to a multiple of n (FSDP's flat
-    all-gather moves the padding too)."""
+def padded_numel(model: ModelShape, stage: Stage, layout: Layout, n: int, blocks_only: bool = False) -> int:
+    """Elements of the stage's tp-local parameters (or of its blocks' only), dim 0 padded to a
+    multiple of n (FSDP's flat all-gather moves the padding too)."""
     total = 0
     for spec, count in stage.counted_params(model):
+        if blocks_only and not spec.name.startswith("layers."):
+            continue
         shape = tp_local_shape(spec, layout.tp)
         total += count * -(-shape[0] // n) * n * math.prod(shape[1:])
     return total
@@ -66,6 +74,9 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
     c, reduce, mb = layout.compute_bytes, layout.reduce_bytes, layout.micro_batches
     piped = layout.pp > 1
     syncs = layout.schedule_steps if piped else 1  # gradient reductions deferred to the step's end
+    fsdp = layout.dp > 1 and layout.zero_stage >= 2 and layout.dp_shard > 1
+    # How often the data-parallel wrapper reduces gradients (none: once, by train.settle_gradients).
+    reductions = (mb if fsdp else 1) if not piped else syncs
     for stage in stages:
         if layout.dp > 1:
             if layout.zero_stage <= 1:
@@ -73,41 +84,43 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
                 out["dp"]["all_reduce"] += syncs * ring("all_reduce", numel * reduce, layout.dp)
                 if layout.zero_stage == 1:
                     out["dp"]["all_gather"] += ring("all_gather", numel * MASTER_BYTES, layout.dp)
-            elif layout.dp_shard > 1:
+            elif fsdp:
                 n = layout.dp_shard
                 numel = padded_numel(model, stage, layout, n)
-                reductions = syncs if piped else mb
-                gathers = {2: layout.schedule_steps if piped else mb, 3: 2 * mb}[layout.zero_stage]
-                out["dp_shard"]["all_gather"] += gathers * ring("all_gather", numel * c, n)
+                gathered = reductions * numel  # once per micro batch (schedule step, under pp)
+                if layout.zero_stage == 3 and not piped:  # blocks again in backward
+                    gathered += mb * padded_numel(model, stage, layout, n, blocks_only=True)
+                out["dp_shard"]["all_gather"] += ring("all_gather", gathered * c, n)
                 out["dp_shard"]["reduce_scatter"] += reductions * ring("reduce_scatter", numel * reduce, n)
                 out["dp_replicate"]["all_reduce"] += reductions * ring("all_reduce", numel * reduce / n,
                                                                        layout.dp_replicate)
         if layout.tp > 1:
-            _tensor_parallel(out["tp"], model, stage, layout)
+            _tensor_parallel(out["tp"], model, stage, layout, reductions)
     if piped:
         _pipeline(out["pp"], model, stages, layout)
     return {group: dict(kinds) for group, kinds in out.items() if any(kinds.values())}
 
 
-def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, layout: Layout) -> None:
+def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, layout: Layout,
+                     norm_reductions: int) -> None:
     g = Geometry.of(layout)
     t, mb, sp = layout.tp, layout.micro_batches, layout.sequence_parallel
     act = g.tokens * model.dim * g.c  # one full-sequence activation, S
-    fwd_per_block = 2  # before attention and MLP (SP gathers) / after wo and w2 (reductions)
-    passes = sum(3 if checkpointed(layer, layout) != "none" else 2 for layer in stage.blocks)  # fwd, bwd, recompute
-    if sp:
-        out["all_gather"] += mb * passes * fwd_per_block * ring("all_gather", act, t)
-        out["reduce_scatter"] += mb * passes * fwd_per_block * ring("reduce_scatter", act, t)
-        norms = 2 * len(stage.blocks) + stage.last  # replicated norm weights, partial gradients
-        out["all_reduce"] += ring("all_reduce", norms * model.dim * MASTER_BYTES, t)
-    else:
-        out["all_reduce"] += mb * passes * fwd_per_block * ring("all_reduce", act, t)
+    # Per block and micro batch: 2 gathers (SP) and 2 reductions in forward, as many in backward,
+    # plus what a recomputed block repeats.
+    gathers = reductions = 0
+    for layer in stage.blocks:
+        mode = checkpointed(layer, layout)
+        gathers += 4 + (2 if mode in ("full", "op") else 0)
+        reductions += 4 + (1 if mode == "full" else 0)
     ends = stage.first + stage.last  # embedding output reduced; output projection's input gathered
     if sp:
-        out["all_gather"] += mb * ends * ring("all_gather", act, t)
-        out["reduce_scatter"] += mb * ends * ring("reduce_scatter", act, t)
+        out["all_gather"] += mb * (gathers + ends) * ring("all_gather", act, t)
+        out["reduce_scatter"] += mb * (reductions + ends) * ring("reduce_scatter", act, t)
+        norms = 2 * len(stage.blocks) + stage.last  # replicated norm weights, partial gradients
+        out["all_reduce"] += norm_reductions * ring("all_reduce", norms * model.dim * MASTER_BYTES, t)
     else:
-        out["all_reduce"] += mb * ends * ring("all_reduce", act, t)
+        out["all_reduce"] += mb * (reductions + ends) * ring("all_reduce", act, t)
     if stage.last:  # loss parallel: max, sum of exponentials and the target's logit per token
         out["all_reduce"] += mb * ring("all_reduce", 3 * g.tokens * 4, t)
 

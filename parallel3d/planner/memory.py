@@ -13,10 +13,7 @@ an idealization:
   all data-parallel ranks; DDP and ZeRO-1 keep full (tp-local) gradients;
 * AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the (sharded) parameter plus a float32
   ``step`` scalar tensor per parameter: 4 bytes that ``model_state_bytes`` counts too;
-* a tied last pipeline stage holds its own copy of the embedding (with gradient and state);
-* without any data parallelism the vocabulary-parallel embedding's gradient comes back from
-  DTensor replicated (full vocab x dim on every tp rank; the data-parallel wrappers and the tied
-  paths reshard it), measured on torch 2.13.
+* a tied last pipeline stage holds its own copy of the embedding (with gradient and state).
 """
 
 from __future__ import annotations
@@ -62,41 +59,36 @@ class ModelState:
         return self.param_bytes + self.grad_bytes + self.optim_state_bytes
 
 
-def param_state(spec: ParamSpec, layout: Layout, dp_rank: int = 0, replicated_grad: bool = False) -> ModelState:
+def param_state(spec: ParamSpec, layout: Layout, dp_rank: int = 0) -> ModelState:
     """Bytes one rank holds for one parameter; ``dp_rank`` is its coordinate in the flattened
-    data-parallel mesh (dp_replicate outer, dp_shard inner), 0 holding the most.
-    ``replicated_grad``: the gradient is the full tensor, not the tp shard (see the docstring)."""
+    data-parallel mesh (dp_replicate outer, dp_shard inner), 0 holding the most."""
     shape = tp_local_shape(spec, layout.tp)
     rows, row_numel = shape[0], math.prod(shape[1:])
     full = rows * row_numel * MASTER_BYTES
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # FSDP: parameter, gradient and state sharded alike
         local = chunk_rows(rows, layout.dp_shard, dp_rank % layout.dp_shard) * row_numel * MASTER_BYTES
         return ModelState(local, local, ADAM_MOMENTS * local + ADAM_STEP_BYTES)
-    grad = spec.numel * MASTER_BYTES if replicated_grad else full
     if layout.zero_stage == 1 and layout.dp > 1:  # ZeRO-1: the optimizer steps this rank's rows only
         rows_held = chunk_rows(rows, layout.dp, dp_rank)
-        return ModelState(full, grad, ADAM_MOMENTS * rows_held * row_numel * MASTER_BYTES + ADAM_STEP_BYTES)
-    return ModelState(full, grad, ADAM_MOMENTS * full + ADAM_STEP_BYTES)
+        return ModelState(full, full, ADAM_MOMENTS * rows_held * row_numel * MASTER_BYTES + ADAM_STEP_BYTES)
+    return ModelState(full, full, ADAM_MOMENTS * full + ADAM_STEP_BYTES)
 
 
 def stage_model_state(model: ModelShape, stage: Stage, layout: Layout, dp_rank: int = 0) -> ModelState:
     """Model state of one pipeline stage on the rank with data-parallel coordinate ``dp_rank``."""
-    # With neither data parallelism nor tying to reshard it, the embedding's gradient stays replicated.
-    replicated = layout.dp == 1 and layout.tp > 1 and not model.tie_embeddings
-    total = ModelState()
-    for spec, count in stage.counted_params(model):
-        is_input_embedding = stage.first and spec.name == "tok_embeddings.weight"
-        total += param_state(spec, layout, dp_rank, replicated_grad=replicated and is_input_embedding) * count
-    return total
+    return sum((param_state(spec, layout, dp_rank) * count for spec, count in stage.counted_params(model)),
+               ModelState())
+
 
 def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, block_peak: int) -> int:
     """An estimate of the memory that comes and goes within a step on top of the model state
     and the stored activations (a measured peak includes it, the model state does not):
 
     * FSDP's unsharded parameters (compute dtype) and unsharded gradients (reduce dtype): ZeRO-3
-      holds the block being computed plus the prefetched one(s), ZeRO-2 every block from forward to
-      backward; under pipelining the schedule keeps a stage's parameters and accumulated gradients
-      unsharded for its whole step. DDP/ZeRO-1 in a lower compute precision hold a cast copy.
+      holds the root (embedding, final norm, output) for the whole micro batch and the block being
+      computed plus the prefetched one(s), ZeRO-2 every block from forward to backward; under
+      pipelining the schedule keeps a stage's parameters and accumulated gradients unsharded for
+      its whole step. DDP/ZeRO-1 in a lower compute precision hold a cast copy.
     * the loss: the gradient of the vocab-sharded logits, in float32 and in the compute dtype;
     * ``block_peak``: what the block in backward rematerializes (checkpointing) or allocates for
       its gradients.
@@ -112,7 +104,8 @@ def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, bloc
             gathered = stage_numel * c + block * reduce
         else:
             units = 1 + max(1, layout.fsdp_prefetch)  # the block in compute and the one prefetched
-            gathered = units * block * c + block * reduce
+            blocks = sum(len(s.blocks) for s in stages) * block
+            gathered = (stage_numel - blocks + units * block) * c + block * reduce
     else:
         gathered = stage_numel * c if c != MASTER_BYTES else 0
     tokens = layout.micro_batch_size * layout.seq_len
