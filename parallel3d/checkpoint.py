@@ -30,11 +30,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.tensor import DTensor
 
 from parallel3d import hf
 from parallel3d.config import CheckpointConfig
-from parallel3d.parallel.zero1 import shard_rows
+from parallel3d.optim import init_optimizer_state
 from parallel3d.progress import Progress
 
 COMPLETE, META = "COMPLETE", "meta.json"
@@ -85,54 +84,19 @@ def _model_targets(state: TrainState, rename=lambda name: name) -> tuple[dict, l
 
 
 def _optimizer_entries(state: TrainState):
-    """(key, state tensor, model parameter) for each tensor of the optimizer state."""
+    """(key, state tensor) for each tensor of the optimizer state, keyed by its parameter's name."""
     optimizer_params = [q for group in state.optimizer.param_groups for q in group["params"]]
-    for (name, param), q in zip(state.named_parameters(), optimizer_params, strict=True):
+    for (name, _), q in zip(state.named_parameters(), optimizer_params, strict=True):
         for key, value in state.optimizer.state.get(q, {}).items():
             if isinstance(value, torch.Tensor):
-                yield f"optimizer/{name}/{key}", value, param
-
-
-def _zero1_rows(value: torch.Tensor, param: torch.Tensor) -> bool:
-    """ZeRO-1 keeps rows of this rank's tensor-parallel shard: not the parameter's global shape."""
-    return isinstance(value, DTensor) and value.dim() > 0 and value.shape != param.shape
-
-
-def _global_view(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    if not _zero1_rows(value, param):
-        return value
-    # Under tp, gather the dp rows of this tp shard and describe it with the parameter's layout.
-    # While a checkpoint is written this holds the tp shard's whole optimizer state, as ZeRO-0 would.
-    return DTensor.from_local(value.full_tensor(), param.device_mesh, param.placements, shape=param.shape,
-                              stride=param.stride())
+                yield f"optimizer/{name}/{key}", value
 
 
 def state_dict(state: TrainState) -> dict[str, torch.Tensor]:
     tensors = {name: p.detach() for name, p in state.named_parameters()}
     if state.optimizer is not None:
-        tensors.update({key: _global_view(v, p) for key, v, p in _optimizer_entries(state)})
+        tensors.update(_optimizer_entries(state))
     return tensors
-
-
-@torch.no_grad()
-def _init_optimizer_state(state: TrainState) -> None:
-    """Create the optimizer's state tensors (a step at lr 0 on zero gradients) so DCP can fill them."""
-    optimizer = state.optimizer
-    if optimizer.state:
-        return
-    for _, p in state.named_parameters():  # ZeRO-1's pre-step hook takes its gradients from these
-        p.grad = torch.zeros_like(p)
-    for q in (q for group in optimizer.param_groups for q in group["params"]):
-        q.grad = torch.zeros_like(q)
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-    for part in state.parts:
-        part.zero_grad(set_to_none=True)
 
 
 class Checkpointer:
@@ -228,20 +192,15 @@ class Checkpointer:
         """Restore ``state`` from checkpoint ``path`` at this run's layout; returns its meta.json."""
         meta = json.loads((path / META).read_text())
         targets, copies = _model_targets(state)
-        rows = []  # ZeRO-1 under tp: load the whole tp shard, keep this rank's rows
         if state.optimizer is not None and not meta["model_only"]:
-            _init_optimizer_state(state)
-            for key, value, param in _optimizer_entries(state):
-                twin = targets.get(key)  # set already: this is a tied copy's state, filled from its twin
-                if twin is None:
-                    twin = targets[key] = torch.zeros_like(param) if _zero1_rows(value, param) else value
-                if _zero1_rows(value, param):
-                    rows.append((value, twin))
-                elif twin is not value:
+            init_optimizer_state(state.optimizer)
+            for key, value in _optimizer_entries(state):
+                twin = targets.setdefault(key, value)  # set already: a tied copy's state, filled from its twin
+                if twin is not value:
                     copies.append((value, twin))
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
                  no_dist=self.group is None)
-        _finish_load(copies, rows)
+        _finish_load(copies)
         if state.scheduler is not None and not meta["model_only"]:
             state.scheduler.load_state_dict(meta["scheduler"])
             for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr()):
@@ -267,15 +226,13 @@ class Checkpointer:
             targets, copies = _model_targets(state)
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
                  no_dist=self.group is None)
-        _finish_load(copies, [])
+        _finish_load(copies)
 
 
 @torch.no_grad()
-def _finish_load(copies, rows) -> None:
+def _finish_load(copies) -> None:
     for dest, src in copies:
         dest.copy_(src)
-    for value, loaded in rows:
-        value.to_local().copy_(shard_rows(loaded.to_local(), value.device_mesh))
 
 
 def _scheduler_state(scheduler) -> dict | None:

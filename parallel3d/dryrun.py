@@ -219,7 +219,7 @@ def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankRe
             _static_stage_metadata(pipeline, c, dims)
         recorder = CommRecorder(_dim_of_group(meshes, tied))
         with tensors:
-            optimizer = build_optimizer(model, c.optim, meshes, c.parallel.zero_stage)
+            optimizer = build_optimizer(model, c.optim)
             scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
             micro_batches = [(torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len)),
                               torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len)))

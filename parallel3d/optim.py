@@ -10,23 +10,33 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallel3d.mesh import Meshes
-from parallel3d.parallel.zero1 import shard_optimizer_state
 
 
-def build_optimizer(model: nn.Module, optim, meshes: Meshes, zero_stage: int) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters; with ZeRO-1, over this rank's rows of them."""
+def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters (this rank's shards of them, under ZeRO)."""
+    impl = {} if optim.implementation == "auto" else {
+        "fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}
+    }[optim.implementation]
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
+                             betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay, **impl)
 
-    def make(params):
-        impl = {} if optim.implementation == "auto" else {
-            "fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}
-        }[optim.implementation]
-        return torch.optim.AdamW(params, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                                 weight_decay=optim.weight_decay, **impl)
 
-    if zero_stage == 1 and meshes.dp is not None:
-        return shard_optimizer_state(model, meshes.dp, make)
-    return make([p for p in model.parameters() if p.requires_grad])
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors as its first step would (a step at lr 0 on zero
+    gradients), so a checkpoint can be loaded into them, or a dry run measure a later step."""
+    if optimizer.state:
+        return
+    params = [q for group in optimizer.param_groups for q in group["params"]]
+    for q in params:
+        q.grad = torch.zeros_like(q)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
 
 
 def lr_factor(step: int, *, steps: int, warmup: int, schedule: str, min_ratio: float, decay_fraction: float) -> float:

@@ -116,7 +116,7 @@ def train(cfg: DictConfig) -> Path:
 
     model, pipeline, tied = build_model(c, meshes, device, c.parallel.pp_microbatches or spec.num_micro_batches,
                                         token_loss)
-    optimizer = build_optimizer(model, c.optim, meshes, c.parallel.zero_stage)
+    optimizer = build_optimizer(model, c.optim)
     scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
     parts = [model] if pipeline is None else pipeline.parts
     progress = Progress(enabled=is_rank0)  # bars on a terminal, plain lines otherwise

@@ -107,11 +107,11 @@ LAYOUTS = {
         ("dp_shard", "all_gather"): M * P, ("dp_shard", "reduce_scatter"): M * P,
         ("dp_shard", "all_reduce"): GRAD_NORM}, lambda M: {("dp_shard", "all_reduce"): GRAD_NORM}),
     "ddp": (4, ["parallel=ddp"], 2, lambda M: {("dp_shard", "all_reduce"): P}, lambda M: {}),  # one bucket, once
-    # ZeRO-1: replicate all-reduces the gradients (2(n-1)/n P on the wire) although each rank then
-    # needs only its rows (a reduce-scatter, (n-1)/n P), then the updated rows are all-gathered,
-    # one call per parameter: 3(n-1)/n P sent where 2(n-1)/n P would do.
+    # ZeRO-1: the parameters gathered once and the gradients reduce-scattered once per step, over
+    # all micro batches (the minimum for a sharded optimizer). Plus the grad norm.
     "zero1": (4, ["parallel=zero1"], 2, lambda M: {
-        ("dp_shard", "all_reduce"): P, ("dp_shard", "all_gather"): P}, lambda M: {}),
+        ("dp_shard", "all_gather"): P, ("dp_shard", "reduce_scatter"): P, ("dp_shard", "all_reduce"): GRAD_NORM},
+        lambda M: {("dp_shard", "all_reduce"): GRAD_NORM}),
     "hsdp": (4, ["parallel=hsdp"], 2, lambda M: {  # ZeRO-3 within dp_shard=2, shards all-reduced across 2
         ("dp_shard", "all_gather"): 2 * M * P - M * ROOT, ("dp_shard", "reduce_scatter"): M * P,
         ("dp_shard", "all_reduce"): GRAD_NORM, ("dp_replicate", "all_reduce"): M * P // 2},

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from parallel3d.config import OptimConfig
-from parallel3d.mesh import Meshes
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor
 
 STEPS, WARMUP, MIN_RATIO = 40, 5, 0.1
@@ -163,7 +162,7 @@ def test_build_optimizer_implementations_step_on_cpu(implementation):
     cfg = OptimConfig(lr=1e-2, beta1=0.8, beta2=0.9, eps=1e-7, weight_decay=0.05, implementation=implementation)
     model = _tiny_net()
     model[0].bias.requires_grad_(False)  # frozen parameters are left out
-    optimizer = build_optimizer(model, cfg, Meshes(world=None), zero_stage=3)
+    optimizer = build_optimizer(model, cfg)
     assert isinstance(optimizer, torch.optim.AdamW)
     group = optimizer.param_groups[0]
     assert group["lr"] == cfg.lr and group["betas"] == (0.8, 0.9)
@@ -193,8 +192,7 @@ def test_build_optimizer_implementations_agree():
     results = {}
     for implementation in ("foreach", "for_loop", "fused"):
         model = _tiny_net()
-        optimizer = build_optimizer(model, replace(OptimConfig(), implementation=implementation),
-                                    Meshes(world=None), zero_stage=0)
+        optimizer = build_optimizer(model, replace(OptimConfig(), implementation=implementation))
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
         for _ in range(3):
             optimizer.zero_grad()

@@ -1,25 +1,35 @@
 """Data parallelism: ZeRO stages mapped onto torch's composable DDP (``replicate``) and FSDP2.
 
-    zero_stage  params       grads        optimizer state   torch API
-    0 (DDP)     replicated   all-reduced  replicated        replicate
-    1           replicated   all-reduced  sharded           replicate + ShardedOptimizerState
-    2           sharded*     sharded      sharded           fully_shard(reshard_after_forward=False)
-    3 (FSDP)    sharded      sharded      sharded           fully_shard(reshard_after_forward=True)
+    zero_stage  params                  grads                       optimizer state  torch API
+    0 (DDP)     replicated              all-reduced once per step   replicated       replicate
+    1           gathered once per step  reduce-scattered per step   sharded          fully_shard, no reshard*
+    2           gathered per micro b.   reduce-scattered per m. b.  sharded          fully_shard(reshard_after_forward=False)
+    3 (FSDP)    gathered per block use  reduce-scattered per m. b.  sharded          fully_shard(reshard_after_forward=True)
 
-    * gathered once per micro batch: kept unsharded from forward through backward.
+    * ``set_gradient_sync``: over a step's micro batches, parameters stay gathered and gradients
+      accumulate unsharded; the last backward reduce-scatters them and reshards.
+
+Every stage keeps its float32 master weights and optimizer state sharded at rest except DDP.
+ZeRO-1 holds the whole (tp-local) model in the compute dtype and its whole gradient while it steps,
+as DeepSpeed's stage 1 does, and moves the minimum for a sharded optimizer: one all-gather and one
+reduce-scatter of the parameters per step, overlapped with forward and backward by FSDP. (Built on
+``replicate``, it would all-reduce whole gradients, 2(n-1)/n, of which each rank steps 1/n, then
+gather the updated rows: 3(n-1)/n where 2(n-1)/n do.) ZeRO-2 frees the gathered parameters and
+reduces the gradients every micro batch; ZeRO-3 frees each block's parameters after its forward.
 
 When parameters are gathered (ZeRO-3): each block in forward and again in backward; the root
 (embedding, final norm, output) once per micro batch, since FSDP keeps the root gathered for the
 backward that starts right after its forward (``reshard_after_forward=None``). Under pipeline
-parallelism ZeRO-3 keeps each block gathered after its forward, as ZeRO-2 does: torch's schedule
-keeps a stage's parameters gathered from its first backward to the end of the schedule step
-anyway, and resharding after each forward only gathered them again (once per micro batch: 34
-gathers per step instead of 1 on the 405B recipe), for no saving at the peak, which 1F1B-type
-schedules reach when their first backward starts.
+parallelism every sharded stage behaves as ZeRO-1 does over one schedule step: torch's schedule
+keeps a stage's parameters gathered from its first backward to the end of the schedule step and
+reduces the gradients once, so ZeRO-3 does not reshard after each forward there either (that only
+gathered them again, once per micro batch: 34 gathers per step instead of 1 on the 405B recipe,
+for no saving at the peak, which 1F1B-type schedules reach when their first backward starts).
 
-Stages 0 and 1 replicate over all data-parallel ranks (dp_replicate x dp_shard, flattened).
-Stages 2 and 3 shard over dp_shard and, when dp_replicate > 1, replicate the shards across
-dp_replicate groups (HSDP: HYBRID_SHARD_ZERO2 / HYBRID_SHARD) through FSDP2's 2D mesh.
+Stage 0 replicates over all data-parallel ranks and stage 1 shards over all of them (dp_replicate
+x dp_shard, flattened). Stages 2 and 3 shard over dp_shard and, when dp_replicate > 1, replicate
+the shards across dp_replicate groups (HSDP: HYBRID_SHARD_ZERO2 / HYBRID_SHARD) through FSDP2's 2D
+mesh.
 """
 
 from __future__ import annotations
@@ -53,10 +63,10 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, fsdp_mesh: Device
                         plan: DataParallelPlan) -> None:
     """Wrap ``model`` (still on the meta device) in place for data-parallel training."""
     mp_policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
-    if plan.zero_stage <= 1:
+    if plan.zero_stage == 0:
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return
-    shard = dict(mesh=fsdp_mesh, mp_policy=mp_policy,
+    shard = dict(mesh=dp_mesh if plan.zero_stage == 1 else fsdp_mesh, mp_policy=mp_policy,
                  offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy())
     units = dict(shard, reshard_after_forward=plan.reshard_blocks_after_forward)
     blocks = list(model.layers.values())
@@ -93,10 +103,15 @@ def _set_prefetch(blocks: list[nn.Module], n: int) -> None:
 
 
 def set_gradient_sync(model: nn.Module, sync: bool, zero_stage: int) -> None:
-    """Skip the gradient all-reduce on all but the last micro batch of a DDP/ZeRO-1 step.
+    """Reduce gradients only on the last micro batch of a step (``sync``) for DDP and ZeRO-1, which
+    keep ZeRO-1's parameters gathered in between. (Under pipeline parallelism torch's schedule does
+    this itself, for every stage.)
 
-    FSDP (stages 2 and 3) reduce-scatters every micro batch instead: accumulating unsharded
-    gradients would cost the memory those stages exist to save.
+    ZeRO-2 and 3 reduce-scatter every micro batch instead: accumulating unsharded gradients would
+    cost the memory those stages exist to save.
     """
-    if zero_stage <= 1 and hasattr(model, "set_requires_gradient_sync"):
+    if zero_stage == 0:
         model.set_requires_gradient_sync(sync)
+    elif zero_stage == 1:
+        model.set_requires_gradient_sync(sync)
+        model.set_reshard_after_backward(sync)

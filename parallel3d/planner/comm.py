@@ -14,10 +14,11 @@ dp_shard, all-reduce of the shard across dp_replicate); ``tp``; ``pp``. Scalars 
 are left out.
 
 When the code communicates (see ``parallel/data.py`` and torch's pipelining stage):
-* DDP / ZeRO-1 all-reduce gradients once per optimizer step (no sync on the other micro
-  batches); under pipelining once per schedule step. ZeRO-1 then all-gathers the updated float32
-  rows. Gradients travel in ``train.reduce_dtype``, FSDP gathers parameters in ``param_dtype``.
-* FSDP reduce-scatters every micro batch. ZeRO-3 all-gathers each block in forward and again in
+* DDP all-reduces gradients once per optimizer step (no sync on the other micro batches); under
+  pipelining once per schedule step. ZeRO-1 gathers the parameters and reduce-scatters the
+  gradients once per step, over all data-parallel ranks (group ``dp``). Gradients travel in
+  ``train.reduce_dtype``, FSDP gathers parameters in ``param_dtype``.
+* ZeRO-2/3 reduce-scatter every micro batch. ZeRO-3 all-gathers each block in forward and again in
   backward and the root (embedding, final norm, output) once per micro batch (FSDP keeps the
   root gathered for backward); ZeRO-2 gathers everything once per micro batch. Under pipelining
   the schedule keeps parameters and accumulated gradients unsharded until its step ends, and
@@ -74,28 +75,27 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
     c, reduce, mb = layout.compute_bytes, layout.reduce_bytes, layout.micro_batches
     piped = layout.pp > 1
     syncs = layout.schedule_steps if piped else 1  # gradient reductions deferred to the step's end
-    fsdp = layout.dp > 1 and layout.zero_stage >= 2 and layout.dp_shard > 1
-    # How often the data-parallel wrapper reduces gradients (none: once, by train.settle_gradients).
-    reductions = (mb if fsdp else 1) if not piped else syncs
+    # How often the data-parallel wrapper reduces gradients: ZeRO-2/3 every micro batch, DDP and
+    # ZeRO-1 once, the pipeline schedule once per schedule step.
+    reductions = syncs if piped else mb if layout.zero_stage >= 2 else 1
+    n = layout.shards
+    group = "dp" if layout.zero_stage <= 1 else "dp_shard"
     for stage in stages:
-        if layout.dp > 1:
-            if layout.zero_stage <= 1:
-                numel = padded_numel(model, stage, layout, 1)
-                out["dp"]["all_reduce"] += syncs * ring("all_reduce", numel * reduce, layout.dp)
-                if layout.zero_stage == 1:
-                    out["dp"]["all_gather"] += ring("all_gather", numel * MASTER_BYTES, layout.dp)
-            elif fsdp:
-                n = layout.dp_shard
-                numel = padded_numel(model, stage, layout, n)
-                gathered = reductions * numel  # once per micro batch (schedule step, under pp)
-                if layout.zero_stage == 3 and not piped:  # blocks again in backward
-                    gathered += mb * padded_numel(model, stage, layout, n, blocks_only=True)
-                out["dp_shard"]["all_gather"] += ring("all_gather", gathered * c, n)
-                out["dp_shard"]["reduce_scatter"] += reductions * ring("reduce_scatter", numel * reduce, n)
+        if layout.dp > 1 and n == 1:  # DDP
+            numel = padded_numel(model, stage, layout, 1)
+            out["dp"]["all_reduce"] += reductions * ring("all_reduce", numel * reduce, layout.dp)
+        elif layout.dp > 1:
+            numel = padded_numel(model, stage, layout, n)
+            gathered = reductions * numel  # once per reduction
+            if layout.zero_stage == 3 and not piped:  # blocks again in backward
+                gathered += mb * padded_numel(model, stage, layout, n, blocks_only=True)
+            out[group]["all_gather"] += ring("all_gather", gathered * c, n)
+            out[group]["reduce_scatter"] += reductions * ring("reduce_scatter", numel * reduce, n)
+            if layout.zero_stage >= 2:  # HSDP: the reduced shard across the replicas
                 out["dp_replicate"]["all_reduce"] += reductions * ring("all_reduce", numel * reduce / n,
                                                                        layout.dp_replicate)
-        if layout.tp > 1:
-            _tensor_parallel(out["tp"], model, stage, layout, reductions)
+        if layout.tp > 1:  # without data parallelism, train.settle_gradients reduces once
+            _tensor_parallel(out["tp"], model, stage, layout, reductions if layout.dp > 1 else 1)
     if piped:
         _pipeline(out["pp"], model, stages, layout)
     return {group: dict(kinds) for group, kinds in out.items() if any(kinds.values())}

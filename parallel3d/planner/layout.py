@@ -105,6 +105,12 @@ class Layout(ParallelDims):
         return self.micro_batches // self.schedule_microbatches if self.pp > 1 else 1
 
     @property
+    def shards(self) -> int:
+        """Ranks the model state is sharded over: all data-parallel ranks for ZeRO-1, dp_shard for
+        ZeRO-2/3 (HSDP replicates the shards), none for DDP (see ``parallel/data.py``)."""
+        return {0: 1, 1: self.dp}.get(self.zero_stage, self.dp_shard)
+
+    @property
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.param_dtype]
 

@@ -6,11 +6,12 @@ an idealization:
 
 * tensor parallelism divides a weight's split dim by tp (validation makes it divide evenly);
   norms stay whole on every tp rank;
-* FSDP (ZeRO-2/3) shards the tp-local tensor's dim 0 over ``dp_shard`` like ``torch.chunk``:
-  ``ceil(rows / n)`` rows per rank, the last ones fewer (or none), so data-parallel rank 0
-  holds the most; HSDP's ``dp_replicate`` copies shards, it does not divide them;
-* ZeRO-1 (``parallel/zero1.py``) shards only the optimizer state, by the same dim-0 rule over
-  all data-parallel ranks; DDP and ZeRO-1 keep full (tp-local) gradients;
+* FSDP shards the tp-local tensor's dim 0 like ``torch.chunk``, over all data-parallel ranks
+  (ZeRO-1) or over ``dp_shard`` (ZeRO-2/3): ``ceil(rows / n)`` rows per rank, the last ones
+  fewer (or none), so data-parallel rank 0 holds the most; HSDP's ``dp_replicate`` copies
+  shards, it does not divide them; after a step parameters, gradients and optimizer state are
+  all sharded alike (what ZeRO-1 and 2 hold whole during the step is transient, below);
+  DDP keeps everything whole;
 * AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the (sharded) parameter plus a float32
   ``step`` scalar tensor per parameter: 4 bytes that ``model_state_bytes`` counts too;
 * a tied last pipeline stage holds its own copy of the embedding (with gradient and state).
@@ -64,14 +65,9 @@ def param_state(spec: ParamSpec, layout: Layout, dp_rank: int = 0) -> ModelState
     data-parallel mesh (dp_replicate outer, dp_shard inner), 0 holding the most."""
     shape = tp_local_shape(spec, layout.tp)
     rows, row_numel = shape[0], math.prod(shape[1:])
-    full = rows * row_numel * MASTER_BYTES
-    if layout.zero_stage >= 2 and layout.dp_shard > 1:  # FSDP: parameter, gradient and state sharded alike
-        local = chunk_rows(rows, layout.dp_shard, dp_rank % layout.dp_shard) * row_numel * MASTER_BYTES
-        return ModelState(local, local, ADAM_MOMENTS * local + ADAM_STEP_BYTES)
-    if layout.zero_stage == 1 and layout.dp > 1:  # ZeRO-1: the optimizer steps this rank's rows only
-        rows_held = chunk_rows(rows, layout.dp, dp_rank)
-        return ModelState(full, full, ADAM_MOMENTS * rows_held * row_numel * MASTER_BYTES + ADAM_STEP_BYTES)
-    return ModelState(full, full, ADAM_MOMENTS * full + ADAM_STEP_BYTES)
+    n = layout.shards
+    local = chunk_rows(rows, n, dp_rank % n) * row_numel * MASTER_BYTES
+    return ModelState(local, local, ADAM_MOMENTS * local + ADAM_STEP_BYTES)
 
 
 def stage_model_state(model: ModelShape, stage: Stage, layout: Layout, dp_rank: int = 0) -> ModelState:
@@ -86,9 +82,10 @@ def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, bloc
 
     * FSDP's unsharded parameters (compute dtype) and unsharded gradients (reduce dtype): ZeRO-3
       holds the root (embedding, final norm, output) for the whole micro batch and the block being
-      computed plus the prefetched one(s), ZeRO-2 every block from forward to backward; under
-      pipelining the schedule keeps a stage's parameters and accumulated gradients unsharded for
-      its whole step. DDP/ZeRO-1 in a lower compute precision hold a cast copy.
+      computed plus the prefetched one(s), ZeRO-2 every block from forward to backward; ZeRO-1
+      accumulating over several micro batches, and any stage under pipelining, keep the stage's
+      parameters and accumulated gradients unsharded for the whole step. DDP in a lower compute
+      precision holds a cast copy.
     * the loss: the gradient of the vocab-sharded logits, in float32 and in the compute dtype;
     * ``block_peak``: what the block in backward rematerializes (checkpointing) or allocates for
       its gradients.
@@ -97,10 +94,10 @@ def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, bloc
     stage_numel = sum(n * math.prod(tp_local_shape(p, layout.tp)) for s in stages
                       for p, n in s.counted_params(model))
     block = sum(math.prod(tp_local_shape(p, layout.tp)) for p in block_params(model, 0))
-    if layout.zero_stage >= 2 and layout.dp_shard > 1:
-        if layout.pp > 1:
+    if layout.shards > 1:
+        if layout.pp > 1 or (layout.zero_stage == 1 and layout.micro_batches > 1):
             gathered = stage_numel * (c + reduce)
-        elif layout.zero_stage == 2:
+        elif layout.zero_stage <= 2:
             gathered = stage_numel * c + block * reduce
         else:
             units = 1 + max(1, layout.fsdp_prefetch)  # the block in compute and the one prefetched
