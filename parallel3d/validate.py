@@ -13,8 +13,6 @@ from pathlib import Path
 import torch
 
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-# Split backward (input gradients first, weight gradients later): wrong numbers with ZeRO-3 (torch 2.13).
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 OPTIM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
@@ -200,11 +198,6 @@ def _check_pipeline(p, t, m) -> None:
     if empty:
         raise ConfigError("parallel.pp", p.pp, f"stage {empty[0]} of {stages} would hold no block",
                           "give every stage between the first and the last at least one block, or use fewer stages")
-    if p.zero_stage == 3 and name in ZERO_BUBBLE_SCHEDULES and p.dp_replicate * p.dp_shard > 1:
-        raise ConfigError("parallel.zero_stage", 3, f"{name} computes weight gradients after input gradients, "
-                          f"when ZeRO-3 has already resharded the parameters, and torch then trains to wrong "
-                          f"numbers (measured: losses up to 45% off one process)",
-                          "use parallel.zero_stage=2, or a GPipe/1F1B/Interleaved1F1B schedule")
     dp = p.dp_replicate * p.dp_shard
     micro_batches = t.global_batch_size // dp // t.micro_batch_size
     n = p.pp_microbatches or micro_batches

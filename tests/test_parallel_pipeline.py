@@ -1,5 +1,5 @@
 """Pipeline parallelism with every schedule, alone and composed with dp and tp, trains to the
-single-process numbers; the combinations torch computes wrongly are refused."""
+single-process numbers; impossible pipelines are refused."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from parallel3d.parallel.pipeline import layer_split, stage_ids, stage_model
 from parallel3d.validate import ConfigError, check
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
-ZERO_BUBBLE = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 # name: (ranks, overrides). Global batch 16, micro batch 2: 8 microbatches per dp rank at dp 1.
 LAYOUTS = {f"pp2-{s}": (2, ["parallel.pp=2", f"parallel.pp_schedule={s}", "train.micro_batch_size=2"])
@@ -32,10 +31,11 @@ LAYOUTS |= {
     "hsdp2x2-pp2-Interleaved1F1B": (8, ["parallel.dp_replicate=2", "parallel.pp=2", "parallel.zero_stage=3",
                                         "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=2"]),
 }
-# dp2 x pp2: every schedule with every ZeRO stage that validation allows.
+# dp2 x pp2: every schedule with every ZeRO stage. (Zero-bubble schedules with ZeRO-3 once trained
+# to wrong numbers, while ZeRO-3 resharded parameters after each forward under pp.)
 LAYOUTS |= {f"dp2-pp2-{s}-zero{z}": (4, ["parallel.pp=2", f"parallel.pp_schedule={s}", f"parallel.zero_stage={z}",
                                          "train.micro_batch_size=2"])
-            for s in SCHEDULES for z in range(4) if not (z == 3 and s in ZERO_BUBBLE)}
+            for s in SCHEDULES for z in range(4)}
 
 
 # Tied embeddings: the first stage's embedding and the last stage's copy stay one matrix, whether
@@ -61,14 +61,6 @@ def test_tied_embeddings_match_single_process(name, parity):
     nproc, overrides = TIED[name]
     run = parity.run(name, nproc, [*overrides, "model.tie_embeddings=true", "train.micro_batch_size=2"])
     parity.assert_same_training(run, tied=True)
-
-
-@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
-def test_zero_bubble_schedules_with_zero3_are_refused(schedule):
-    with pytest.raises(ConfigError) as err:
-        check(compose(["parallel.pp=2", f"parallel.pp_schedule={schedule}", "parallel.zero_stage=3",
-                       "train.micro_batch_size=2"]), 4)
-    assert err.value.key == "parallel.zero_stage" and "zero_stage=2" in str(err.value)
 
 
 @pytest.mark.parametrize("overrides,world_size,key", [
