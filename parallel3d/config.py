@@ -99,7 +99,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    implementation: str = "auto"  # auto | fused | foreach | for_loop
+    implementation: str = "auto"  # auto (fused where torch has the kernel) | fused | foreach | for_loop
     schedule: str = "cosine"  # cosine | wsd | constant
     warmup_steps: int = 5
     min_lr_ratio: float = 0.1  # final lr / peak lr for cosine and wsd

@@ -4,8 +4,9 @@ For each rank: compose the config and ``validate.check`` it (a ConfigError comes
 is built), start torch's *fake* process group as that rank (collectives return at once, moving
 nothing), build the mesh, build and parallelize the model exactly as ``train.build_model`` does
 and materialize it inside ``FakeTensorMode`` (tensors with shapes, dtypes and storages but no
-data), build the optimizer, then run one ``train.train_step``: forward and backward through the
-pipeline schedule under pp, clipping, optimizer and lr steps. Meanwhile a MemTracker follows
+data), build the optimizer and its state (as a step after the first finds it), then run one
+``train.train_step``: forward and backward through the pipeline schedule under pp, clipping,
+optimizer and lr steps. Meanwhile a MemTracker follows
 every tensor storage (peak and what it held at the peak) and a dispatch mode records every
 collective with its process group and size.
 
@@ -61,7 +62,7 @@ from parallel3d.config import Config, compose
 from parallel3d.data import BatchSpec
 from parallel3d.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.metrics import model_state_bytes
-from parallel3d.optim import build_lr_scheduler, build_optimizer
+from parallel3d.optim import build_lr_scheduler, build_optimizer, init_optimizer_state
 from parallel3d.validate import DTYPES, check
 
 COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
@@ -71,6 +72,9 @@ KINDS = (("reduce_scatter", "reduce_scatter"), ("allgather", "all_gather"), ("al
          ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"), ("broadcast", "broadcast"),
          ("alltoall", "all_to_all"), ("all_to_all", "all_to_all"), ("send", "send"), ("recv", "recv"))
 RING_FACTOR = {"all_reduce": 2.0, "send": None, "recv": 0.0}  # x (n-1)/n; None: the whole payload
+# Ops whose result the host must wait for (a GPU stalls its queue for each): .item(), bool(t),
+# torch.equal, data-dependent output sizes.
+HOST_READS = {"_local_scalar_dense", "equal", "is_nonzero", "nonzero", "masked_select", "unique", "_unique2"}
 
 
 @dataclass
@@ -92,23 +96,28 @@ class RankReport:
     peak_bytes: int  # all tensor memory at the step's peak
     peak_breakdown: dict[str, int]  # what it held at that moment, by MemTracker's categories
     comm: dict[str, dict[str, CommStat]] = field(default_factory=dict)  # mesh dim -> kind -> totals
+    host_reads: list[str] = field(default_factory=list)  # ops in the step that wait for device values
     seconds: float = 0.0
 
 
 class CommRecorder(TorchDispatchMode):
-    """Records the collectives that reach the dispatcher: FSDP's c10d calls, DTensor's functional
-    collectives, pipeline send/recv. Observation only: every op runs as it would."""
+    """Records the collectives that reach the dispatcher (FSDP's c10d calls, DTensor's functional
+    collectives, pipeline send/recv) and every host read (``HOST_READS``). Observation only: every
+    op runs as it would (on fake tensors a host read fails: it has no value to read)."""
 
     def __init__(self, dim_of_group: dict[str, str]):
         super().__init__()
         self.dim_of_group = dim_of_group
         self.stats: dict[str, dict[str, CommStat]] = defaultdict(lambda: defaultdict(CommStat))
+        self.host_reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor lower itself to local ops and collectives first
-        out = func(*args, **(kwargs or {}))
         name = func._schema.name.split("::")[-1]
+        if func.namespace == "aten" and name in HOST_READS:
+            self.host_reads.append(name)
+        out = func(*args, **(kwargs or {}))
         if func.namespace in COMM_NAMESPACES and name not in NOT_COMMUNICATION:
             self._record(func.namespace, name, args, out)
         return out
@@ -220,6 +229,7 @@ def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankRe
         recorder = CommRecorder(_dim_of_group(meshes, tied))
         with tensors:
             optimizer = build_optimizer(model, c.optim)
+            init_optimizer_state(optimizer)  # AdamW creates it in its first step: measure a later one
             scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
             micro_batches = [(torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len)),
                               torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len)))
@@ -236,7 +246,7 @@ def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankRe
             rank=rank, coords=coords, stages=[s.stage_index for s in pipeline.stages] if pipeline else [0],
             **state, peak_bytes=peak.get("Total", 0),
             peak_breakdown={str(getattr(k, "value", k)): v for k, v in peak.items() if k != "Total"},
-            comm={dim: dict(kinds) for dim, kinds in recorder.stats.items()},
+            comm={dim: dict(kinds) for dim, kinds in recorder.stats.items()}, host_reads=recorder.host_reads,
             seconds=time.perf_counter() - start)
     finally:
         dist.destroy_process_group()

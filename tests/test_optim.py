@@ -167,7 +167,7 @@ def test_build_optimizer_implementations_step_on_cpu(implementation):
     group = optimizer.param_groups[0]
     assert group["lr"] == cfg.lr and group["betas"] == (0.8, 0.9)
     assert group["eps"] == cfg.eps and group["weight_decay"] == cfg.weight_decay
-    flags = {"auto": (None, None), "foreach": (True, None), "for_loop": (False, None), "fused": (None, True)}
+    flags = {"auto": (None, True), "foreach": (True, None), "for_loop": (False, None), "fused": (None, True)}
     assert (group["foreach"], group["fused"] or None) == flags[implementation]
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert [id(p) for p in group["params"]] == [id(p) for p in trainable]

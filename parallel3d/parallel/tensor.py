@@ -12,20 +12,24 @@ activation memory). Without it the residual stream is replicated and wo/w2 all-r
 
     layer                   sequence parallel (default)              without
     tok_embeddings          rowwise over vocab -> Shard(1) (seq)     rowwise over vocab -> Replicate
-    attention_norm/ffn_norm SequenceParallel                         replicated
+    attention_norm/ffn_norm SequenceParallel                         ReplicateParallel
     attention/feed_forward  gather the sequence: Shard(1)->Replicate input as a Replicate DTensor
     wq wk wv w1 w3          colwise                                  colwise
     wo w2                   rowwise -> Shard(1)                      rowwise -> Replicate
-    norm                    SequenceParallel                         replicated
+    norm                    SequenceParallel                         ReplicateParallel
     output                  colwise, Shard(1) in -> Shard(-1) out    colwise, Replicate in -> Shard(-1) out
     (tied output)           norm output gathered, F.linear with the vocab-sharded embedding weight
+
+Every parameter of a tensor-parallel model is a DTensor on the tp mesh, the norms' included: the
+optimizer's multi-tensor kernels (fused AdamW, and foreach, torch's default on CUDA) take one list
+of tensors and refuse DTensors mixed with plain tensors.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -34,6 +38,32 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module every tp rank computes whole, on a replicated input (a norm without sequence
+    parallelism): its parameters become replicated DTensors, its input one for the computation and
+    its output a plain tensor again. Nothing is communicated: input, output and their gradients
+    are the same on every tp rank, so the weight's gradient is too."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate_params, self._input, self._output)
+
+    @staticmethod
+    def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for p_name, param in module.named_parameters(recurse=False):
+            module.register_parameter(p_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()],
+                                                                              run_check=False)))
+
+    @staticmethod
+    def _input(module: nn.Module, inputs, mesh: DeviceMesh):
+        x = inputs[0]
+        return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def _output(module: nn.Module, output: DTensor, mesh: DeviceMesh):
+        return output.to_local()
 
 
 def residual_layout(sequence_parallel: bool):
@@ -62,16 +92,14 @@ def block_plan(sequence_parallel: bool) -> dict:
                                         desired_input_layouts=(Replicate(), None, None)),
         "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
     }
-    if sequence_parallel:
-        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
-    return plan
+    norm = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    return plan | {"attention_norm": norm, "ffn_norm": norm}
 
 
 def outer_plan(sequence_parallel: bool, tied: bool) -> dict:
     residual = residual_layout(sequence_parallel)
-    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)}
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+            "norm": SequenceParallel() if sequence_parallel else ReplicateParallel()}
     if not tied:
         plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     return plan
