@@ -1,15 +1,22 @@
 #!/usr/bin/env python
 """Framework overhead at one rank: parallel3d's training loop against a plain PyTorch loop of
-the same model, batches, optimizer and schedule, timed side by side in one process.
+the same model, batches, optimizer and schedule, measured side by side in one process.
 
-    python tools/bench_overhead.py [--repeats 3] [--skip 5] [key=value ...]
+    python tools/bench_overhead.py [--repeats 5] [--steps 20] [--threads 1] [key=value ...]
 
-The plain loop is what a user would write by hand (nanoGPT style): the model, AdamW, LambdaLR,
-cross-entropy, clip_grad_norm_, ``loss.item()`` when logging. Both read the same batches from
+The plain loop is what a user would write by hand (nanoGPT style): the model, fused AdamW (as
+parallel3d's default), LambdaLR, cross-entropy, clip_grad_norm_, ``loss.item()`` when logging. Both read the same batches from
 the same sampler and start from the same weights, so their losses must agree; the tool checks
-that before it reports a time. The two loops alternate ``--repeats`` times; each reports the
-median step time over the steps after the first ``--skip``. Prints a Markdown block for
-BENCHMARKS.md (date, machine, command, numbers).
+that before it reports a time.
+
+What is timed: the cost of a step, set-up excluded. Each loop trains ``--steps`` and then
+``2 x --steps`` steps from scratch; the difference of the two, divided by ``--steps``, is the
+per-step cost with model building, data opening and the first step's warm-up cancelled out.
+Both the CPU time of the process and the wall time are reported: on a shared machine wall time
+swings with other jobs by tens of percent, while CPU time with one torch thread barely moves,
+so CPU time decides the verdict (on a GPU run wall time is what counts: there the host only
+queues kernels). The loops alternate in order repeat by repeat; medians over repeats are
+reported. Prints a Markdown block for BENCHMARKS.md (date, machine, command, numbers).
 """
 
 from __future__ import annotations
@@ -35,15 +42,14 @@ from parallel3d.optim import build_lr_scheduler
 from parallel3d.train import train
 
 
-def ours(overrides: list[str], run_dir: Path) -> tuple[list[float], list[float]]:
-    """parallel3d's loop: (per-step times, losses) from the metrics.jsonl it wrote."""
+def ours(overrides: list[str], run_dir: Path) -> list[float]:
+    """parallel3d's loop; its losses, from the metrics.jsonl it wrote."""
     train(compose([*overrides, f"run_dir={run_dir}"]))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time_s"] for r in rows], [r["loss"] for r in rows]
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def plain(overrides: list[str]) -> tuple[list[float], list[float]]:
-    """The same training, written out by hand on one device."""
+def plain(overrides: list[str], run_dir: Path) -> list[float]:
+    """The same training, written out by hand on one device; its losses."""
     c = OmegaConf.to_object(compose([*overrides, "run_dir=unused"]))
     t, device = c.train, torch.device("cuda" if torch.cuda.is_available() and c.train.device != "cpu" else "cpu")
     torch.manual_seed(t.seed)
@@ -52,14 +58,13 @@ def plain(overrides: list[str]) -> tuple[list[float], list[float]]:
     model.to_empty(device=device)
     model.init_weights(t.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=c.optim.lr, betas=(c.optim.beta1, c.optim.beta2),
-                                  eps=c.optim.eps, weight_decay=c.optim.weight_decay)
+                                  eps=c.optim.eps, weight_decay=c.optim.weight_decay, fused=True)  # as ours
     scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
     sampler = StepSampler(open_corpus(c.data).tokens, BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len),
                           t.seed)
     tokens = t.global_batch_size * t.seq_len
-    times, losses = [], []
+    losses = []
     for step in range(1, t.steps + 1):
-        start = time.perf_counter()
         total = torch.zeros((), device=device)
         for inputs, targets in sampler.micro_batches(step):
             inputs, targets = inputs.to(device), targets.to(device)
@@ -73,43 +78,76 @@ def plain(overrides: list[str]) -> tuple[list[float], list[float]]:
         optimizer.zero_grad(set_to_none=True)
         if step % c.logging.log_every == 0 or step == t.steps:
             losses.append(total.item())  # the one host sync, when logging, as in parallel3d
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times, losses
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return losses
+
+
+LOOPS = {"parallel3d": ours, "plain": plain}
+
+
+def timed(loop, overrides: list[str], run_dir: Path) -> tuple[float, float, list[float]]:
+    """(CPU seconds, wall seconds, losses) of one whole run."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    losses = loop(overrides, run_dir)
+    return time.process_time() - cpu, time.perf_counter() - wall, losses
+
+
+def per_step(loop, overrides: list[str], steps: int, run_dir: Path) -> tuple[float, float, list[float]]:
+    """(CPU, wall) seconds per step, set-up cancelled: a run of 2n steps less a run of n; its losses."""
+    cpu_n, wall_n, _ = timed(loop, [*overrides, f"train.steps={steps}"], run_dir / "n")
+    cpu_2n, wall_2n, losses = timed(loop, [*overrides, f"train.steps={2 * steps}"], run_dir / "2n")
+    return (cpu_2n - cpu_n) / steps, (wall_2n - wall_n) / steps, losses
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each loop")
-    parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. train.steps=60")
+    parser.add_argument("--repeats", type=int, default=5, help="measurements of each loop (alternating)")
+    parser.add_argument("--steps", type=int, default=20, help="n: runs of n and 2n steps are differenced")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: CPU time is stable)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. logging.log_every=10")
     args = parser.parse_args(argv)
-    overrides = ["train.steps=40", "logging.log_every=1", *args.overrides]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return compare(args, ["logging.log_every=1", "optim.warmup_steps=2", *args.overrides], argv)
+    finally:
+        torch.set_num_threads(threads)
 
-    medians = {"parallel3d": [], "plain": []}
+
+def compare(args, overrides: list[str], argv: list[str] | None) -> int:
+
+    cpu: dict[str, list[float]] = {name: [] for name in LOOPS}
+    wall: dict[str, list[float]] = {name: [] for name in LOOPS}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            times, ours_losses = ours(overrides, Path(tmp) / f"run{repeat}")
-            medians["parallel3d"].append(statistics.median(times[args.skip:]))
-            times, plain_losses = plain(overrides)
-            medians["plain"].append(statistics.median(times[args.skip:]))
-            worst = max(abs(a - b) / abs(b) for a, b in zip(ours_losses, plain_losses))
-            if len(ours_losses) != len(plain_losses) or worst > 1e-5:
+            order = list(LOOPS) if repeat % 2 == 0 else list(LOOPS)[::-1]
+            losses = {}
+            for name in order:
+                c, w, losses[name] = per_step(LOOPS[name], overrides, args.steps, Path(tmp) / f"{name}{repeat}")
+                cpu[name].append(c)
+                wall[name].append(w)
+            worst = max(abs(a - b) / abs(b) for a, b in zip(losses["parallel3d"], losses["plain"]))
+            if len(losses["parallel3d"]) != len(losses["plain"]) or worst > 1e-5:
                 print(f"the loops trained differently (relative loss difference {worst:.1e}): no comparison")
                 return 1
-    best = {name: min(values) for name, values in medians.items()}  # the least disturbed repeat
-    overhead = best["parallel3d"] / best["plain"] - 1
+
+    median = {kind: {name: statistics.median(v) for name, v in values.items()}
+              for kind, values in (("cpu", cpu), ("wall", wall))}
+    overhead = {kind: m["parallel3d"] / m["plain"] - 1 for kind, m in median.items()}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.processor() or 'CPU'}"
     print(f"### Framework overhead, one rank ({date.today().isoformat()})\n")
-    print(f"Machine: {platform.node()}, {device}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    print(f"Machine: {platform.node()}, {device}, {args.threads} torch thread(s), torch {torch.__version__}, "
           f"Python {platform.python_version()}  ")
     print(f"Command: `python tools/bench_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ")
     print(f"Losses of the two loops agree to {worst:.1e} (relative).\n")
-    print("| loop | median step time per repeat (ms) | best (ms) |\n|---|---|---|")
-    for name, values in medians.items():
-        print(f"| {name} | {', '.join(f'{v * 1e3:.2f}' for v in values)} | {best[name] * 1e3:.2f} |")
-    print(f"\nOverhead: {overhead * 100:+.1f}% (target: at most +3%)")
+    print("| loop | CPU ms per step, each repeat | median | wall ms per step, each repeat | median |")
+    print("|---|---|---|---|---|")
+    for name in LOOPS:
+        print(f"| {name} | {', '.join(f'{v * 1e3:.2f}' for v in cpu[name])} | {median['cpu'][name] * 1e3:.2f} "
+              f"| {', '.join(f'{v * 1e3:.2f}' for v in wall[name])} | {median['wall'][name] * 1e3:.2f} |")
+    print(f"\nOverhead: {overhead['cpu'] * 100:+.1f}% CPU time, {overhead['wall'] * 100:+.1f}% wall time "
+          "(target: at most +3%)")
     return 0
 
 
