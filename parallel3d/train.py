@@ -272,9 +272,11 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
             inputs = torch.cat([x for x, _ in chunk]).to(device, non_blocking=True)
             targets = torch.cat([y for _, y in chunk]).to(device, non_blocking=True)
             losses: list[torch.Tensor] = []  # filled on the rank holding the last stage only
+            # return_outputs=False: else the last stage keeps every microbatch's logits for step() to
+            # return (4 GiB on the 405B recipe), which nothing here reads.
             with vocab_parallel(), autocast:
                 pipeline.schedule.step(*([inputs] if pipeline.has_first_stage else []), target=targets,
-                                       losses=losses)
+                                       losses=losses, return_outputs=False)
             for loss in losses:
                 loss_sum += _local(loss.detach())
     params = [p for p in model.parameters() if p.requires_grad]

@@ -127,6 +127,10 @@ STATE_CASES = {
                              "train.global_batch_size=6"]),
     "dp3-tp2-zero1-uneven": (6, ["parallel.zero_stage=1", "parallel.tp=2", "model.dim=120", "model.ffn_dim=300",
                                  "model.vocab_size=514", "train.global_batch_size=6", "train.micro_batch_size=1"]),
+    # The untied embedding split over its dim (vocab x dim/tp), FSDP's rows over 4: 65 x 3 + 62
+    # rows of 256 where a vocabulary split would give 129 x 3 + 127 of 128.
+    "dp4-tp2-zero3-embedding": (8, ["parallel.zero_stage=3", "parallel.tp=2", "model.vocab_size=514",
+                                    "train.global_batch_size=8", "train.micro_batch_size=1"]),
     "hsdp2x1-zero1": (2, ["parallel.zero_stage=1", "parallel.dp_replicate=2"]),
     "hsdp2x2-zero2-sizewrap": (4, ["parallel.zero_stage=2", "parallel.dp_replicate=2", "parallel.fsdp_wrap=size",
                                    "parallel.fsdp_min_params=50000"]),
@@ -241,7 +245,8 @@ def _stage_activations(c, meshes, pp_rank: int, mode: str, dtype: torch.dtype) -
         out = part(x)
         if part.norm is not None:  # the last stage: the loss, as train.py computes it
             loss = F.cross_entropy(out.flatten(0, 1).float(), targets, reduction="sum")  # noqa: F841
-            del out  # the logits are not kept for backward
+            if c.parallel.pp == 1:
+                del out  # autograd keeps no logits; a pipeline schedule keeps every stage's output
     return tracker.alive(exclude) - (8 if part.norm is not None else 0)  # less the loss itself
 
 
@@ -392,21 +397,27 @@ def test_hsdp_reduces_the_shard_across_replicas():
 
 
 def test_tensor_parallel_traffic_per_block():
-    """tp 2, one micro batch of 16 x 64 tokens: per block 4 all-gathers and 4 reduce-scatters
+    """tp 2 on GPUs, one micro batch of 16 x 64 tokens: per block 4 all-gathers and 4 reduce-scatters
     (forward and backward) of b·s·dim floats with sequence parallelism, or 4 all-reduces without;
-    the same bytes either way. Embedding and output add one of each."""
+    the same bytes either way. The output projection adds one of each; the embedding (split over
+    its dim) an all-to-all each way of its 1/tp slice, or one all-gather without SP."""
     act = 16 * 64 * 128 * 4
-    sp = predict(compose(["parallel.tp=2", "train.micro_batch_size=16", "train.seq_len=64"]), 2)
-    assert _bytes(sp, "tp", "all_gather") == (4 * 4 + 2) * act / 2
+    gpu = ["parallel.tp=2", "train.micro_batch_size=16", "train.seq_len=64", "train.device=cuda"]
+    sp = predict(compose(gpu), 2)
+    assert _bytes(sp, "tp", "all_gather") == (4 * 4 + 1) * act / 2
     assert _bytes(sp, "tp", "reduce_scatter") == _bytes(sp, "tp", "all_gather")
-    no_sp = predict(compose(["parallel.tp=2", "parallel.sequence_parallel=false", "train.micro_batch_size=16",
-                             "train.seq_len=64"]), 2)
+    assert _bytes(sp, "tp", "all_to_all") == 2 * (act / 2) / 2
+    no_sp = predict(compose([*gpu, "parallel.sequence_parallel=false"]), 2)
     assert _bytes(no_sp, "tp", "all_reduce") == pytest.approx(
         _bytes(sp, "tp", "all_gather") + _bytes(sp, "tp", "reduce_scatter"), rel=0.01)
-    full = predict(compose(["parallel.tp=2", "train.micro_batch_size=16", "train.seq_len=64",
-                            "model.activation_checkpoint=full"]), 2)
-    assert _bytes(full, "tp", "all_gather") == (4 * 6 + 2) * act / 2  # recompute repeats the forward's
-    assert _bytes(full, "tp", "reduce_scatter") == (4 * 5 + 2) * act / 2  # ... up to wo's reduction
+    assert _bytes(no_sp, "tp", "all_gather") == act / 2
+    full = predict(compose([*gpu, "model.activation_checkpoint=full"]), 2)
+    assert _bytes(full, "tp", "all_gather") == (4 * 6 + 1) * act / 2  # recompute repeats the forward's
+    assert _bytes(full, "tp", "reduce_scatter") == (4 * 5 + 1) * act / 2  # ... up to wo's reduction
+    # Tied, the embedding is split over the vocabulary: its output reduce-scattered, gathered back.
+    tied = predict(compose([*gpu, "model.tie_embeddings=true"]), 2)
+    assert _bytes(tied, "tp", "all_gather") == _bytes(tied, "tp", "reduce_scatter") == (4 * 4 + 2) * act / 2
+    assert _bytes(tied, "tp", "all_to_all") == 0
 
 
 def test_pipeline_sends_activations_and_gradients():

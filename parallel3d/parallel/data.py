@@ -68,7 +68,12 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, fsdp_mesh: Device
         return
     shard = dict(mesh=dp_mesh if plan.zero_stage == 1 else fsdp_mesh, mp_policy=mp_policy,
                  offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy())
-    units = dict(shard, reshard_after_forward=plan.reshard_blocks_after_forward)
+    # Units inside the root receive activations already in the compute dtype, and the RoPE tables,
+    # which must stay float32: cast, they would lose precision and every block would keep its own
+    # copy per micro batch as a checkpointed input (5 GiB at the 405B recipe's peak).
+    units = dict(shard, reshard_after_forward=plan.reshard_blocks_after_forward,
+                 mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
+                                                cast_forward_inputs=False))
     blocks = list(model.layers.values())
     if plan.wrap == "block":
         for block in blocks:

@@ -11,7 +11,8 @@ reduce-scatter plus an all-gather before the next column-parallel layer (same by
 activation memory). Without it the residual stream is replicated and wo/w2 all-reduce.
 
     layer                   sequence parallel (default)              without
-    tok_embeddings          rowwise over vocab -> Shard(1) (seq)     rowwise over vocab -> Replicate
+    tok_embeddings          colwise over dim -> Shard(1) (seq)       colwise over dim -> Replicate
+    (tied tok_embeddings)   rowwise over vocab -> Shard(1) (seq)     rowwise over vocab -> Replicate
     attention_norm/ffn_norm SequenceParallel                         ReplicateParallel
     attention/feed_forward  gather the sequence: Shard(1)->Replicate input as a Replicate DTensor
     wq wk wv w1 w3          colwise                                  colwise
@@ -27,6 +28,7 @@ of tensors and refuse DTensors mixed with plain tensors.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -66,6 +68,21 @@ class ReplicateParallel(ParallelStyle):
         return output.to_local()
 
 
+class EmbeddingDimSplit(ColwiseParallel):
+    """ColwiseParallel (the embedding split over its dim) whose local output owns its memory.
+    Under sequence parallelism each rank's slice of every token goes to the token's sequence
+    shard by an all-to-all; gloo has none, and DTensor then gathers the whole sequence and keeps
+    a view of this rank's part, which would keep the whole gathered tensor alive for as long as
+    the first block saves its input (a pipeline holds it for every micro batch in flight)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        if isinstance(out, torch.Tensor) and out.untyped_storage().nbytes() > out.numel() * out.element_size():
+            out = out.clone()
+        return out
+
+
 def residual_layout(sequence_parallel: bool):
     """How the residual stream between blocks is laid out over the tp ranks."""
     return Shard(1) if sequence_parallel else Replicate()
@@ -98,7 +115,13 @@ def block_plan(sequence_parallel: bool) -> dict:
 
 def outer_plan(sequence_parallel: bool, tied: bool) -> dict:
     residual = residual_layout(sequence_parallel)
-    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+    # A tied embedding is the output projection too, which must be split over the vocabulary
+    # (loss parallel). An untied one is split over its embedding dim: DTensor's backward of a
+    # vocabulary split builds the whole vocab x dim gradient on every rank before sharding it
+    # (8 GiB of float32 for 405B), and its forward reduces a whole-width partial output, where the
+    # dim split sends each rank's slice to its sequence shard (all-to-all) or gathers it.
+    embedding = RowwiseParallel if tied else EmbeddingDimSplit
+    plan = {"tok_embeddings": embedding(input_layouts=Replicate(), output_layouts=residual),
             "norm": SequenceParallel() if sequence_parallel else ReplicateParallel()}
     if not tied:
         plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)

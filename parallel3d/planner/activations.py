@@ -89,15 +89,31 @@ def checkpointed(layer: int, layout: Layout) -> str:
 
 def stage_activation_bytes(model: ModelShape, stage: Stage, layout: Layout) -> int:
     """Bytes one micro batch leaves alive in this stage between its forward and its backward.
-    (The embedding keeps only the input tokens; the vocabulary-parallel lookup's mask dies with
-    the reduction of its output.)"""
+    (The embedding keeps only the input tokens.) A pipeline schedule keeps each stage's output
+    until the microbatch's backward: the hidden states sent on, or the last stage's logits."""
     g = Geometry.of(layout)
     total = sum(block_bytes(model, g, checkpointed(layer, layout)) for layer in stage.blocks)
     if stage.last:
         total += head_bytes(model, g)
-    else:  # the pipeline keeps the stage's output until the next stage sends its gradient back
+        if layout.pp > 1:
+            total += g.c * g.tokens * model.vocab_size // g.t
+    else:
         total += g.c * g.tokens_norm * model.dim
     first_saves_copy = g.cpu and g.c != 4 and (not stage.blocks or checkpointed(stage.blocks[0], layout) == "none")
     if not stage.first and first_saves_copy:  # the received input is kept too, not only its float32 copy
         total += g.c * g.tokens_norm * model.dim
     return total
+
+
+def receive_buffer_bytes(model: ModelShape, stages: list[Stage], layout: Layout, in_flight: dict[int, int]) -> int:
+    """Torch's pipeline stages allocate, at their first step and for good, a buffer per microbatch
+    for the hidden states they receive (stages after the first) and one for the gradients they
+    receive back (stages before the last). A received input that a microbatch in flight still
+    needs is that microbatch's saved stage input, already counted in its activations."""
+    if layout.pp == 1:
+        return 0
+    g = Geometry.of(layout)
+    hidden = g.c * g.tokens_norm * model.dim
+    m = layout.schedule_microbatches
+    return sum(((m - in_flight.get(s.index, 0)) if not s.first else 0) * hidden + (m * hidden if not s.last else 0)
+               for s in stages)

@@ -6,6 +6,7 @@ all-reduce consumes) makes each rank send
 
     all_gather, reduce_scatter    S·(n-1)/n
     all_reduce                    2·S·(n-1)/n     (a reduce-scatter then an all-gather)
+    all_to_all                    S·(n-1)/n       (S: this rank's input; it keeps 1/n of it)
     send_recv                     the bytes it sends (pipeline activations and their gradients)
 
 Groups (the keys): ``dp`` is the flattened data-parallel group (dp_replicate x dp_shard) that DDP
@@ -113,14 +114,25 @@ def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, lay
         mode = checkpointed(layer, layout)
         gathers += 4 + (2 if mode in ("full", "op") else 0)
         reductions += 4 + (1 if mode == "full" else 0)
-    ends = stage.first + stage.last  # embedding output reduced; output projection's input gathered
+    # The output projection gathers its input (SP) and reduces its input's gradient. A tied
+    # embedding, split over the vocabulary, reduces its output; an untied one, split over its dim,
+    # sends each rank's slice of every token to the token's sequence shard and back (all-to-all;
+    # gloo has none, DTensor all-gathers the sequence instead), or gathers it without SP.
+    tied_first = stage.first and model.tie_embeddings
+    untied_first = stage.first and not model.tie_embeddings
     if sp:
-        out["all_gather"] += mb * (gathers + ends) * ring("all_gather", act, t)
-        out["reduce_scatter"] += mb * (reductions + ends) * ring("reduce_scatter", act, t)
+        out["all_gather"] += mb * (gathers + stage.last + tied_first) * ring("all_gather", act, t)
+        out["reduce_scatter"] += mb * (reductions + stage.last + tied_first) * ring("reduce_scatter", act, t)
+        if untied_first and g.cpu:
+            out["all_gather"] += 2 * mb * ring("all_gather", act, t)
+        elif untied_first:
+            out["all_to_all"] += 2 * mb * ring("all_to_all", act / t, t)
         norms = 2 * len(stage.blocks) + stage.last  # replicated norm weights, partial gradients
         out["all_reduce"] += norm_reductions * ring("all_reduce", norms * model.dim * MASTER_BYTES, t)
     else:
-        out["all_reduce"] += mb * (reductions + ends) * ring("all_reduce", act, t)
+        out["all_reduce"] += mb * (reductions + stage.last + tied_first) * ring("all_reduce", act, t)
+        if untied_first:
+            out["all_gather"] += mb * ring("all_gather", act, t)
     if stage.last:  # loss parallel: max, sum of exponentials and the target's logit per token
         out["all_reduce"] += mb * ring("all_reduce", 3 * g.tokens * 4, t)
 

@@ -163,7 +163,9 @@ def block_params(model: ModelShape, layer: int) -> list[ParamSpec]:
 
 
 def embedding_param(model: ModelShape) -> ParamSpec:
-    return ParamSpec("tok_embeddings.weight", (model.vocab_size, model.dim), 0)  # vocabulary-parallel
+    """Split over the vocabulary when tied (it is the output projection too), else over its dim
+    (``parallel.tensor.outer_plan``)."""
+    return ParamSpec("tok_embeddings.weight", (model.vocab_size, model.dim), 0 if model.tie_embeddings else 1)
 
 
 def head_params(model: ModelShape, holds_embedding: bool) -> list[ParamSpec]:

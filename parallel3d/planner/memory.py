@@ -76,6 +76,13 @@ def stage_model_state(model: ModelShape, stage: Stage, layout: Layout, dp_rank: 
                ModelState())
 
 
+def unsharded_gradient_bytes(model: ModelShape, stage: Stage, layout: Layout) -> int:
+    """FSDP's unsharded gradients of a pipeline stage, accumulated (reduce dtype) over a schedule step."""
+    if layout.pp == 1 or layout.shards == 1:
+        return 0
+    return layout.reduce_bytes * sum(n * math.prod(tp_local_shape(p, layout.tp)) for p, n in stage.counted_params(model))
+
+
 def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, block_peak: int) -> int:
     """An estimate of the memory that comes and goes within a step on top of the model state
     and the stored activations (a measured peak includes it, the model state does not):
@@ -83,10 +90,11 @@ def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, bloc
     * FSDP's unsharded parameters (compute dtype) and unsharded gradients (reduce dtype): ZeRO-3
       holds the root (embedding, final norm, output) for the whole micro batch and the block being
       computed plus the prefetched one(s), ZeRO-2 every block from forward to backward; ZeRO-1
-      accumulating over several micro batches, and any stage under pipelining, keep the stage's
-      parameters and accumulated gradients unsharded for the whole step. DDP in a lower compute
-      precision holds a cast copy.
-    * the loss: the gradient of the vocab-sharded logits, in float32 and in the compute dtype;
+      accumulating over several micro batches keeps the parameters and accumulated gradients
+      unsharded for the whole step, and any stage under pipelining its parameters (its gradients
+      accumulate from the stage's first backward on: ``unsharded_gradient_bytes``, counted where
+      the schedule replays it). DDP in a lower compute precision holds a cast copy.
+    * the loss's backward: the gradients of the vocab-sharded log-probabilities and logits, float32;
     * ``block_peak``: what the block in backward rematerializes (checkpointing) or allocates for
       its gradients.
     """
@@ -95,7 +103,9 @@ def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, bloc
                       for p, n in s.counted_params(model))
     block = sum(math.prod(tp_local_shape(p, layout.tp)) for p in block_params(model, 0))
     if layout.shards > 1:
-        if layout.pp > 1 or (layout.zero_stage == 1 and layout.micro_batches > 1):
+        if layout.pp > 1:  # the unsharded gradients: from each stage's first backward, planner.schedule
+            gathered = stage_numel * c
+        elif layout.zero_stage == 1 and layout.micro_batches > 1:
             gathered = stage_numel * (c + reduce)
         elif layout.zero_stage <= 2:
             gathered = stage_numel * c + block * reduce
@@ -106,5 +116,5 @@ def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, bloc
     else:
         gathered = stage_numel * c if c != MASTER_BYTES else 0
     tokens = layout.micro_batch_size * layout.seq_len
-    loss = (4 + c) * tokens * model.vocab_size // layout.tp if any(s.last for s in stages) else 0
+    loss = 2 * 4 * tokens * model.vocab_size // layout.tp if any(s.last for s in stages) else 0
     return gathered + max(loss, block_peak)

@@ -7,11 +7,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from parallel3d.models import flops_per_token
-from parallel3d.planner.activations import Geometry, block_bytes, checkpointed, stage_activation_bytes
+from parallel3d.planner.activations import (Geometry, block_bytes, checkpointed, receive_buffer_bytes,
+                                             stage_activation_bytes)
 from parallel3d.planner.comm import stage_traffic
 from parallel3d.planner.layout import Layout, ModelShape, rank_stages
-from parallel3d.planner.memory import ModelState, stage_model_state, transient_bytes
-from parallel3d.planner.schedule import bubble_fraction, peak_in_flight
+from parallel3d.planner.memory import ModelState, stage_model_state, transient_bytes, unsharded_gradient_bytes
+from parallel3d.planner.schedule import bubble_fraction, in_flight_microbatches, peak_in_flight
 
 GiB = 2**30
 
@@ -64,11 +65,19 @@ class RankMemory:
     activation_bytes: int  # peak of stored activations over the schedule step
     transient_bytes: int  # FSDP buffers, loss gradients, the block in backward (estimate)
     activation_per_microbatch: dict[int, int] = field(default_factory=dict)  # stage -> bytes one microbatch keeps
+    receive_buffer_bytes: int = 0  # the pipeline's per-microbatch receive buffers (activations and gradients)
+    # False when gradients accumulate unsharded through the whole step (pipelining over one schedule
+    # step, ZeRO-1 over several micro batches): the sharded ones appear after the peak, at the end.
+    grads_at_peak: bool = True
+    # Under pipelining with FSDP: the peak of the activations together with each stage's gradients,
+    # replayed in the schedule's order (planner.schedule.peak_in_flight).
+    in_flight_bytes: int | None = None
 
     @property
     def peak_bytes(self) -> int:
-        return (self.param_bytes + self.grad_bytes + self.optim_state_bytes + self.activation_bytes
-                + self.transient_bytes)
+        in_flight = self.activation_bytes if self.in_flight_bytes is None else self.in_flight_bytes
+        return (self.param_bytes + self.grad_bytes * self.grads_at_peak + self.optim_state_bytes
+                + in_flight + self.transient_bytes + self.receive_buffer_bytes)
 
 
 @dataclass
@@ -135,9 +144,16 @@ def evaluate(model: ModelShape, layout: Layout, hardware: Hardware | None = None
         state = sum((stage_model_state(model, s, layout) for s in stages), ModelState())
         per_microbatch = {s.index: stage_activation_bytes(model, s, layout) for s in stages}
         activations = peak_in_flight(layout, per_microbatch, pp_rank)
+        grads_at_peak = not _reduced_once_per_step(layout)
+        unsharded = {s.index: unsharded_gradient_bytes(model, s, layout) for s in stages}
+        sharded = {s.index: 0 if grads_at_peak else stage_model_state(model, s, layout).grad_bytes for s in stages}
+        in_flight = (peak_in_flight(layout, per_microbatch, pp_rank, unsharded, sharded)
+                     if any(unsharded.values()) else None)
         transient = transient_bytes(model, stages, layout, _backward_block_bytes(model, layout))
+        buffers = receive_buffer_bytes(model, stages, layout, in_flight_microbatches(layout, pp_rank))
         ranks.append(RankMemory(pp_rank, tuple(s.index for s in stages), state.param_bytes, state.grad_bytes,
-                                state.optim_state_bytes, activations, transient, per_microbatch))
+                                state.optim_state_bytes, activations, transient, per_microbatch, buffers,
+                                grads_at_peak=grads_at_peak, in_flight_bytes=in_flight))
         rank_traffic = stage_traffic(model, stages, layout)
         if _total(rank_traffic) > _total(traffic):
             traffic = rank_traffic
@@ -155,6 +171,15 @@ def evaluate(model: ModelShape, layout: Layout, hardware: Hardware | None = None
         plan.step_time = step_time(model, layout, plan, hardware)
         plan.fits = plan.peak_bytes <= hardware.usable_memory * hardware.gpu_memory_bytes
     return plan
+
+
+def _reduced_once_per_step(layout: Layout) -> bool:
+    """Sharded gradients reduced once, at the step's very end, from unsharded accumulations."""
+    if layout.shards == 1:
+        return False
+    if layout.pp > 1:
+        return layout.schedule_steps == 1
+    return layout.zero_stage == 1 and layout.micro_batches > 1
 
 
 def _backward_block_bytes(model: ModelShape, layout: Layout) -> int:

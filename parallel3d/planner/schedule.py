@@ -70,18 +70,33 @@ def _actions(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[str, in
     return tuple(out)
 
 
-def peak_in_flight(layout: Layout, stage_bytes: dict[int, int], pp_rank: int) -> int:
+def peak_in_flight(layout: Layout, stage_bytes: dict[int, int], pp_rank: int,
+                   unsharded_grads: dict[int, int] | None = None, sharded_grads: dict[int, int] | None = None) -> int:
     """Largest sum of activation bytes ``pp_rank`` holds at once over one schedule step, given
-    each of its stages' bytes per microbatch. Without pipelining: one micro batch."""
+    each of its stages' bytes per microbatch. Without pipelining: one micro batch.
+
+    With FSDP (``unsharded_grads``), a stage's unsharded gradients accumulate from its first
+    weight-gradient computation to its last, which reduce-scatters them into its sharded ones
+    (``sharded_grads``, from then on): with few microbatches the activations peak in the warm-up,
+    before any gradient exists, and looped schedules finish one stage's backwards before the
+    next one's start."""
     if layout.pp == 1:
         return max(stage_bytes.values())
     m = _simulated_microbatches(layout.pp_schedule, layout.pp, layout.schedule_microbatches)
+    unsharded, sharded = unsharded_grads or {}, sharded_grads or {}
     held = peak = 0
+    backwards: dict[int, int] = {}
     for kind, stage in _actions(layout.pp_schedule, layout.pp, m, layout.stages_per_rank)[pp_rank]:
         if kind == "F":
             held += stage_bytes[stage]
         elif kind in ("B", "W"):  # a split backward frees the activations with the weight gradients
+            backwards[stage] = backwards.get(stage, 0) + 1
+            if backwards[stage] == 1:
+                held += unsharded.get(stage, 0)
+            peak = max(peak, held)  # while this microbatch's activations are still alive
             held -= stage_bytes[stage]
+            if backwards[stage] == m:
+                held += sharded.get(stage, 0) - unsharded.get(stage, 0)
         peak = max(peak, held)
     return peak
 
