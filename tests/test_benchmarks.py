@@ -1,0 +1,65 @@
+"""The benchmark tools: bench_overhead compares loops that train identically (and refuses the
+others), bench_comm puts the planner's bytes beside the measured ones, bench_optimizer times
+implementations that compute the same update (and refuses the others)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import bench_comm  # noqa: E402
+import bench_optimizer  # noqa: E402
+import bench_overhead  # noqa: E402
+
+SMALL = ["train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "logging.log_every=2"]
+
+
+def test_reports_per_step_times_of_two_loops_that_train_alike(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert bench_overhead.main(["--repeats", "1", "--steps", "2", *SMALL]) == 0
+    out = capsys.readouterr().out
+    agreement = float(re.search(r"Losses of the two loops agree to (\S+) \(relative\)", out).group(1))
+    assert agreement <= 1e-5
+    for loop in ("parallel3d", "plain"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {loop} |"))
+        assert all(float(cell) > 0 for cell in row.split("|")[2:-1] if cell.strip())
+    assert re.search(r"Overhead: [+-]\d+\.\d% CPU time, [+-]\d+\.\d% wall time", out)
+
+
+def test_refuses_to_compare_loops_that_train_differently(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    real = bench_overhead.plain
+    monkeypatch.setitem(bench_overhead.LOOPS, "plain", lambda o, d: [x * 1.01 for x in real(o, d)])
+    assert bench_overhead.main(["--repeats", "1", "--steps", "2", *SMALL]) == 1
+    assert "trained differently" in capsys.readouterr().out
+
+
+def test_bench_comm_puts_the_planner_beside_every_measured_collective():
+    layouts = {name: bench_comm.LAYOUTS[name] for name in ("zero1", "tp2 sp", "pp2 1F1B")}
+    rows = [row.split(" | ") for row in bench_comm.table(layouts)[2:]]
+    kinds = {(r[0].lstrip("| "), r[2], r[3]) for r in rows}
+    assert {("zero1", "dp_shard", "all_gather"), ("zero1", "dp_shard", "reduce_scatter"),
+            ("tp2 sp", "tp", "all_gather"), ("pp2 1F1B", "pp", "send")} <= kinds
+    for layout, rank, dim, kind, calls, payload, sent, planned in rows:
+        if planned.rstrip(" |") != "(scalars)":  # the planner leaves out the grad norm's floats
+            assert planned.rstrip(" |") == sent, (layout, dim, kind)
+
+
+def test_bench_optimizer_times_implementations_that_agree(capsys, monkeypatch):
+    assert bench_optimizer.main(["--steps", "1", "model.n_layers=1"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| f")] == ["| fused", "| foreach",
+                                                                                            "| for_loop"]
+    real = bench_optimizer.optimizer_over
+
+    def wrong_lr(params, implementation):
+        optimizer, copies = real(params, implementation)
+        if implementation == "foreach":
+            optimizer.param_groups[0]["lr"] *= 2
+        return optimizer, copies
+
+    monkeypatch.setattr(bench_optimizer, "optimizer_over", wrong_lr)
+    assert bench_optimizer.main(["--steps", "1", "model.n_layers=1"]) == 1
+    assert "disagree" in capsys.readouterr().out
