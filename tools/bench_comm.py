@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import platform
 import sys
-from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-import torch  # noqa: E402
-
+from bench_common import heading  # noqa: E402
 from parallel3d.config import compose  # noqa: E402
 from parallel3d.dryrun import dry_run  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
@@ -87,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     layouts = LAYOUTS | (LARGE if args.large else {})
-    print(f"### Communication per rank per step, measured and planned ({date.today().isoformat()})\n")
-    print(f"Machine: {platform.node()}, torch {torch.__version__} (dry run: fake process group, fake tensors)  ")
-    print(f"Command: `python tools/bench_comm.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n")
+    print(heading("Communication per rank per step, measured and planned", "bench_comm.py", argv,
+                  "dry run: fake process group, fake tensors") + "\n")
     print("\n".join(table(layouts)))
     return 0
 

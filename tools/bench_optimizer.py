@@ -13,20 +13,19 @@ torch thread by default: stable on a shared machine), CUDA-synchronized wall tim
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from bench_common import heading, torch_threads  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from parallel3d.config import compose  # noqa: E402
-from parallel3d.models import Transformer, num_params  # noqa: E402
+from parallel3d.models import Transformer  # noqa: E402
 from parallel3d.optim import implementation_flags  # noqa: E402
 
 IMPLEMENTATIONS = ("fused", "foreach", "for_loop")
@@ -65,12 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on a CPU")
     parser.add_argument("overrides", nargs="*", help="model overrides, e.g. model=llama3_1b model.n_layers=2")
     args = parser.parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return run(args, argv)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def run(args, argv: list[str] | None) -> int:
@@ -95,10 +90,8 @@ def run(args, argv: list[str] | None) -> int:
         print(f"the implementations disagree (largest difference after one step {worst:.1e}): no comparison")
         return 1
     n = sum(p.numel() for p in params)
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
-    print(f"### AdamW step by implementation ({date.today().isoformat()})\n")
-    print(f"Machine: {platform.node()}, {where}, torch {torch.__version__}  ")
-    print(f"Command: `python tools/bench_optimizer.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ")
+    print(heading("AdamW step by implementation", "bench_optimizer.py", argv,
+                  "" if device.type == "cuda" else f"{args.threads} torch thread(s)"))
     print(f"{n / 1e6:.1f}M parameters in {len(params)} tensors; after one step the implementations agree "
           f"to {worst:.1e}.\n")
     print(f"| implementation | {'CUDA ms' if device.type == 'cuda' else 'CPU ms'} per step (median) | vs fused |")

@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from bench_common import heading, torch_threads
 from parallel3d.config import compose
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.models import Transformer
@@ -107,12 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: CPU time is stable)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. logging.log_every=10")
     args = parser.parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return compare(args, ["logging.log_every=1", "optim.warmup_steps=2", *args.overrides], argv)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def compare(args, overrides: list[str], argv: list[str] | None) -> int:
@@ -135,11 +130,7 @@ def compare(args, overrides: list[str], argv: list[str] | None) -> int:
     median = {kind: {name: statistics.median(v) for name, v in values.items()}
               for kind, values in (("cpu", cpu), ("wall", wall))}
     overhead = {kind: m["parallel3d"] / m["plain"] - 1 for kind, m in median.items()}
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.processor() or 'CPU'}"
-    print(f"### Framework overhead, one rank ({date.today().isoformat()})\n")
-    print(f"Machine: {platform.node()}, {device}, {args.threads} torch thread(s), torch {torch.__version__}, "
-          f"Python {platform.python_version()}  ")
-    print(f"Command: `python tools/bench_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ")
+    print(heading("Framework overhead, one rank", "bench_overhead.py", argv, f"{args.threads} torch thread(s)"))
     print(f"Losses of the two loops agree to {worst:.1e} (relative).\n")
     print("| loop | CPU ms per step, each repeat | median | wall ms per step, each repeat | median |")
     print("|---|---|---|---|---|")
