@@ -157,9 +157,9 @@ def _check_data_parallel(p, t, device: str | None) -> None:
         raise ConfigError("train.device", "cuda", "no CUDA device is visible on this machine",
                           "run on a GPU machine, or set train.device=cpu (or auto)")
     if p.cpu_offload:
-        if p.zero_stage < 2:
-            raise ConfigError("parallel.cpu_offload", True, f"offload moves FSDP shards to the CPU, but "
-                              f"parallel.zero_stage={p.zero_stage} does not use FSDP", "use zero_stage 2 or 3")
+        if p.zero_stage == 0:
+            raise ConfigError("parallel.cpu_offload", True, "offload moves FSDP shards to the CPU, but "
+                              "parallel.zero_stage=0 (DDP) shards nothing", "use zero_stage 1, 2 or 3")
         if resolve_device(t.device, device) == "cpu":
             raise ConfigError("parallel.cpu_offload", True, "FSDP's CPU offload needs an accelerator and this "
                               "run trains on the CPU already", "set parallel.cpu_offload=false, or train on a GPU")

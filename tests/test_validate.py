@@ -39,7 +39,7 @@ BAD = [
     (["parallel.fsdp_wrap=layer"], 1, "parallel.fsdp_wrap", "block or size"),
     (["parallel.fsdp_prefetch=-1"], 1, "parallel.fsdp_prefetch", ">= 0"),
     (["parallel.fsdp_prefetch=1", "parallel.fsdp_wrap=size"], 1, "parallel.fsdp_prefetch", "fsdp_wrap=block"),
-    (["parallel.cpu_offload=true", "parallel.zero_stage=0"], 2, "parallel.cpu_offload", "zero_stage 2 or 3"),
+    (["parallel.cpu_offload=true", "parallel.zero_stage=0"], 2, "parallel.cpu_offload", "zero_stage 1, 2 or 3"),
     (["train.param_dtype=float8"], 1, "train.param_dtype", "bfloat16"),
     (["train.reduce_dtype=half"], 1, "train.reduce_dtype", "float32"),
     (["train.device=tpu"], 1, "train.device", "auto, cpu or cuda"),
