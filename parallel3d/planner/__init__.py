@@ -19,8 +19,12 @@ What is exact and what is a model:
   checkpointing mode, with and without tensor/sequence parallelism, on every pipeline stage. On
   CUDA it assumes the fused RMSNorm and flash attention (checked by no test here: no GPU).
 * Activations in flight (``activation_bytes``): replays torch's own schedule order.
-* ``peak_bytes``: model state + activations + an estimate of transient buffers (FSDP's unsharded
-  parameters and gradients, the loss gradient, the block in backward); not exact.
+* ``peak_bytes``: model state + activations + FSDP's gathered parameters and unsharded gradients
+  (under pipelining replayed in the schedule's order: a stage's gradients exist from its first
+  backward to its last), the pipeline's receive buffers, and an estimate of what comes and goes
+  (the loss's backward, the block in backward). Not exact; within 1.2% of the dry run's measured
+  peak for 8B, 70B and 405B layouts (CPU kernels), within 10% for every layout of an 8B-shaped
+  4-block model in tests/test_dryrun.py.
 * ``comm_bytes``: ring-algorithm bytes per rank per optimizer step (``planner/comm.py`` states the
   convention); bubbles: textbook formulas, checked against torch's schedules.
 * ``step_time``: FLOPs at a fixed efficiency of peak, plus the bubble and the communication that
