@@ -55,9 +55,13 @@ def test_plan_splits_each_layer_as_documented(tp_world, sequence_parallel):
         assert placements[f"{block}{colwise}.weight"] == (Shard(0),)  # out features split: heads / hidden units
     for rowwise in ("attention.wo", "feed_forward.w2"):
         assert placements[f"{block}{rowwise}.weight"] == (Shard(1),)  # in features split: partial sums
-    assert placements["tok_embeddings.weight"] == (Shard(0),)  # vocabulary split
-    assert placements["output.weight"] == (Shard(0),)
+    assert placements["tok_embeddings.weight"] == (Shard(1),)  # embedding dim split: no vocab-sized gradient
+    assert placements["output.weight"] == (Shard(0),)  # vocabulary split: loss parallel
     norms = {f"{block}attention_norm.weight", f"{block}ffn_norm.weight", "norm.weight"}
     assert all(placements[n] == (Replicate(),) for n in norms)  # on a split or a whole sequence
     # Every parameter is a DTensor, so the optimizer's multi-tensor kernels can take them all.
     assert placements.keys() == {name for name, _ in model.named_parameters()}
+    with torch.device("meta"):
+        tied = Transformer(OmegaConf.to_object(compose(["model.tie_embeddings=true"]).model))
+    apply_tensor_parallel(tied, tp_world, sequence_parallel)
+    assert tied.tok_embeddings.weight.placements == (Shard(0),)  # it is the output projection too
