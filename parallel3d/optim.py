@@ -12,7 +12,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 
-
 def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
     """AdamW over the model's parameters (this rank's shards of them, under ZeRO)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -79,8 +78,8 @@ def settle_gradients(params) -> None:
     Under tensor parallelism without a data-parallel wrapper (which does this as it reduces),
     autograd leaves the gradients of replicated weights (the norms, under sequence parallelism)
     ``Partial``: every later read (the norm, then each of AdamW's three uses) would all-reduce
-    them again. The vocabulary-parallel embedding's gradient comes back ``Replicate``: sharding
-    it is a local slice that frees (tp-1)/tp of it.
+    them again. A gradient that comes back whole where its parameter is sharded is cut to this
+    rank's shard, a local slice.
     """
     for p in params:
         if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:

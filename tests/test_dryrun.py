@@ -30,6 +30,7 @@ from parallel3d.planner.comm import ring
 from parallel3d.validate import ConfigError, check
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import bench_memory  # noqa: E402
 
 F32 = 4
 TINY = ModelConfig()  # the tiny model of the tiny_cpu recipes, float32 throughout
@@ -80,31 +81,13 @@ def test_llama3_405b_on_512_ranks_tp8_pp8_dp8():
     assert elapsed < 120
 
 
-# Llama 3 8B's shapes (vocabulary 128K) cut to 4 blocks, bf16, 4096 tokens: each layout's busiest
-# ranks in seconds. With so few blocks the vocabulary-sized tensors (embedding, output, loss)
-# weigh more than in any real model, and what coincides at the peak varies most; the planner
-# models the peak as all of them at once. (Full models: BENCHMARKS.md, within 1-2%.)
-PEAK_BASE = ["model=llama3_8b", "model.n_layers=4", "train.seq_len=4096", "train.micro_batch_size=1",
-             "train.global_batch_size=8", "train.param_dtype=bfloat16"]
-PEAK_LAYOUTS = {
-    "ddp": (4, ["parallel.zero_stage=0"]),
-    "zero1": (4, ["parallel.zero_stage=1"]),
-    "zero2": (4, ["parallel.zero_stage=2"]),
-    "zero3-ac-op": (4, ["parallel.zero_stage=3", "model.activation_checkpoint=op"]),
-    "tp4": (4, ["parallel.tp=4"]),
-    "dp2-tp2-zero3": (4, ["parallel.tp=2", "parallel.zero_stage=3"]),
-    "dp2-pp2-1F1B-zero2": (4, ["parallel.pp=2", "parallel.zero_stage=2"]),
-    "dp2-tp2-pp2-interleaved-zero3": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero_stage=3",
-                                          "parallel.pp_schedule=Interleaved1F1B"]),
-}
-
-
-@pytest.mark.parametrize("name", list(PEAK_LAYOUTS))
+@pytest.mark.parametrize("name", list(bench_memory.QUICK))
 def test_planned_peak_memory_is_within_10_percent_of_the_dry_run(name):
     """The planner's peak (CPU kernels, as the dry run runs them) against the measured peak of all
-    tensor memory, on every pipeline rank's first rank."""
-    world, overrides = PEAK_LAYOUTS[name]
-    overrides = [*PEAK_BASE, *overrides]
+    tensor memory, on every pipeline rank's first rank, for tools/bench_memory.py's small matrix:
+    Llama 3 8B's shapes cut to 4 blocks, where the vocabulary-sized tensors weigh the most."""
+    world, overrides = bench_memory.QUICK[name]
+    overrides = [*bench_memory.QUICK_BASE, *overrides]
     plan = predict(compose([*overrides, "train.device=cpu", "run_dir=/nonexistent"]), world)
     for report in dry_run(overrides, world):
         planned = plan.ranks[report.coords.get("pp", 0)].peak_bytes

@@ -17,12 +17,22 @@ swings with other jobs by tens of percent, while CPU time with one torch thread 
 so CPU time decides the verdict (on a GPU run wall time is what counts: there the host only
 queues kernels). The loops alternate in order repeat by repeat; medians over repeats are
 reported. Prints a Markdown block for BENCHMARKS.md (date, machine, command, numbers).
+
+    python tools/bench_overhead.py --instructions [--steps 10] [key=value ...]
+
+counts instructions instead (valgrind's callgrind, each run in a process of its own, hash seed
+fixed): the same differencing, but a count that does not move with the machine's load, so it
+resolves differences of a fraction of a percent where CPU time on a shared machine moves by ten.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -42,8 +52,10 @@ from parallel3d.train import train
 
 
 def ours(overrides: list[str], run_dir: Path) -> list[float]:
-    """parallel3d's loop; its losses, from the metrics.jsonl it wrote."""
-    train(compose([*overrides, f"run_dir={run_dir}"]))
+    """parallel3d's loop (its console lines discarded: this tool prints a report); its losses, from
+    the metrics.jsonl it wrote."""
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        train(compose([*overrides, f"run_dir={run_dir}"]))
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -99,15 +111,62 @@ def per_step(loop, overrides: list[str], steps: int, run_dir: Path) -> tuple[flo
     return (cpu_2n - cpu_n) / steps, (wall_2n - wall_n) / steps, losses
 
 
+def instructions(loop: str, overrides: list[str], steps: int, run_dir: Path) -> tuple[int, list[float]]:
+    """Instructions one process executes training ``steps`` steps with ``loop`` (callgrind), and its losses."""
+    out = run_dir / f"{loop}-{steps}.callgrind"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
+               "--one", loop, "--run-dir", str(run_dir / f"{loop}-{steps}"), *overrides, f"train.steps={steps}"]
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-2000:]}")
+    totals = next(line for line in out.read_text().splitlines() if line.startswith(("summary:", "totals:")))
+    return int(totals.split()[1]), json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def count(args, overrides: list[str], argv: list[str] | None) -> int:
+    if shutil.which("valgrind") is None:
+        print("--instructions needs valgrind (apt-get install valgrind)")
+        return 2
+    per_step, losses = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in LOOPS:
+            first, _ = instructions(name, overrides, args.steps, Path(tmp))
+            both, losses[name] = instructions(name, overrides, 2 * args.steps, Path(tmp))
+            per_step[name] = (both - first) / args.steps
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses["parallel3d"], losses["plain"]))
+    if len(losses["parallel3d"]) != len(losses["plain"]) or worst > 1e-5:
+        print(f"the loops trained differently (relative loss difference {worst:.1e}): no comparison")
+        return 1
+    print(heading("Framework overhead, one rank, in instructions", "bench_overhead.py", argv,
+                  f"{args.threads} torch thread(s), valgrind --tool=callgrind"))
+    print(f"Losses of the two loops agree to {worst:.1e} (relative).\n")
+    print("| loop | instructions per step |\n|---|---|")
+    for name, n in per_step.items():
+        print(f"| {name} | {n:,.0f} |")
+    print(f"\nOverhead: {(per_step['parallel3d'] / per_step['plain'] - 1) * 100:+.2f}% instructions "
+          "(target: at most +3%)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="measurements of each loop (alternating)")
     parser.add_argument("--steps", type=int, default=20, help="n: runs of n and 2n steps are differenced")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: CPU time is stable)")
+    parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
+    parser.add_argument("--one", choices=list(LOOPS), help=argparse.SUPPRESS)  # a single run, for --instructions
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. logging.log_every=10")
     args = parser.parse_args(argv)
+    overrides = ["logging.log_every=1", "optim.warmup_steps=2", *args.overrides]
     with torch_threads(args.threads):
-        return compare(args, ["logging.log_every=1", "optim.warmup_steps=2", *args.overrides], argv)
+        if args.one:
+            print(json.dumps(LOOPS[args.one](args.overrides, Path(args.run_dir))))
+            return 0
+        if args.instructions:
+            return count(args, overrides, argv)
+        return compare(args, overrides, argv)
 
 
 def compare(args, overrides: list[str], argv: list[str] | None) -> int:
