@@ -259,7 +259,8 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
     loss_sum = torch.zeros((), device=device)
     if pipeline is None:
         for i, (inputs, targets) in enumerate(micro_batches):
-            set_gradient_sync(model, i == len(micro_batches) - 1, c.parallel.zero_stage)
+            if meshes.dp is not None:  # the data-parallel wrapper reduces on the last micro batch only
+                set_gradient_sync(model, i == len(micro_batches) - 1, c.parallel.zero_stage)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             with vocab_parallel():
                 with autocast:

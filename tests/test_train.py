@@ -69,6 +69,15 @@ def test_divergence_stops_with_the_step(tmp_path):
     assert stopped < 10
 
 
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_one_process_trains_alike_at_every_zero_stage(tmp_path, reference_run, zero_stage):
+    """Without data parallelism a ZeRO stage has nothing to shard or reduce: accumulating micro
+    batches trains as the default single process does."""
+    run = launch(tmp_path / f"zero{zero_stage}", [*FAST, f"parallel.zero_stage={zero_stage}", "train.micro_batch_size=4"])
+    run.assert_finished(10)
+    assert relative_error(run.losses, reference_run.losses) < 1e-5
+
+
 def test_log_every_and_wsd_schedule(tmp_path):
     run = launch(tmp_path / "wsd", [*FAST, "optim=adamw_wsd", "logging.log_every=4"])
     run.assert_finished(10)
