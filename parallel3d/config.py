@@ -49,7 +49,7 @@ class ModelConfig:
     init_std: float = 0.02
     activation_checkpoint: str = "none"  # none | full | selective (every Nth block) | op (save matmuls)
     activation_checkpoint_every: int = 2
-    compile: bool = False  # torch.compile each transformer block
+    compile: bool = False  # torch.compile each transformer block and the loss
 
 
 @dataclass

@@ -114,6 +114,9 @@ def train(cfg: DictConfig) -> Path:
     def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
 
+    if c.model.compile:  # fused each way: no float32 copies of the vocabulary-wide logits (BENCHMARKS.md)
+        token_loss = torch.compile(token_loss)
+
     model, pipeline, tied = build_model(c, meshes, device, c.parallel.pp_microbatches or spec.num_micro_batches,
                                         token_loss)
     optimizer = build_optimizer(model, c.optim)

@@ -215,6 +215,17 @@ def test_comm_bytes_match_the_closed_form_and_the_planner(name):
     assert planner_view(r, planner_leaves_out(M), zero_stage) == pytest.approx(plan_of(overrides, world))
 
 
+@pytest.mark.parametrize("name", ["tp_sp", "tp_sp_full", "tp_no_sp_op", "pp_1f1b"])
+def test_comm_bytes_under_autocast_match_the_planner(name):
+    """Without data parallelism bf16 runs under autocast: float32 parameters, and a float32
+    residual stream, so norm outputs, hidden states and their gradients travel in float32 while
+    matmul outputs travel in bf16."""
+    world, overrides, M, _, planner_leaves_out = LAYOUTS[name]
+    overrides = [*overrides, "train.param_dtype=bfloat16"]
+    [r] = dry_run(overrides, world, [0])
+    assert planner_view(r, planner_leaves_out(M), 0) == pytest.approx(plan_of(overrides, world))
+
+
 THREE_D = ["recipe=tiny_cpu_3d", "train.global_batch_size=8"]  # dp 2 (ZeRO-3) x tp 2 x pp 2 interleaved
 
 

@@ -49,49 +49,77 @@ from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.models import Transformer
 from parallel3d.optim import build_lr_scheduler
 from parallel3d.train import train
+from parallel3d.validate import DTYPES
 
 
 def ours(overrides: list[str], run_dir: Path) -> list[float]:
-    """parallel3d's loop (its console lines discarded: this tool prints a report); its losses, from
+    """parallel3d's loop; its losses."""
+    return [record["loss"] for record in ours_records(overrides, run_dir)]
+
+
+def ours_records(overrides: list[str], run_dir: Path) -> list[dict]:
+    """parallel3d's loop (its console lines discarded: the tools print a report); the records of
     the metrics.jsonl it wrote."""
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         train(compose([*overrides, f"run_dir={run_dir}"]))
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def plain(overrides: list[str], run_dir: Path) -> list[float]:
     """The same training, written out by hand on one device; its losses."""
+    return [record["loss"] for record in plain_records(overrides)]
+
+
+def plain_records(overrides: list[str]) -> list[dict]:
+    """The same training, written out by hand on one device: per logged step its loss, tokens/s
+    and step time since the last log, as parallel3d's metrics.jsonl has them. A reduced-precision
+    ``train.param_dtype`` trains under autocast (as parallel3d on one device); ``model.compile``
+    compiles the model and the loss as one graph, as nanoGPT's ``torch.compile(model)`` does
+    (its forward returns the loss)."""
     c = OmegaConf.to_object(compose([*overrides, "run_dir=unused"]))
-    t, device = c.train, torch.device("cuda" if torch.cuda.is_available() and c.train.device != "cpu" else "cpu")
+    t = c.train
+    device = torch.device("cuda" if torch.cuda.is_available() and t.device != "cpu" else "cpu")
     torch.manual_seed(t.seed)
     with torch.device("meta"):
         model = Transformer(c.model)
     model.to_empty(device=device)
     model.init_weights(t.seed)
+    autocast = (torch.autocast(device.type, dtype=DTYPES[t.param_dtype]) if t.param_dtype != "float32"
+                else contextlib.nullcontext())
     optimizer = torch.optim.AdamW(model.parameters(), lr=c.optim.lr, betas=(c.optim.beta1, c.optim.beta2),
                                   eps=c.optim.eps, weight_decay=c.optim.weight_decay, fused=True)  # as ours
     scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
     sampler = StepSampler(open_corpus(c.data).tokens, BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len),
                           t.seed)
     tokens = t.global_batch_size * t.seq_len
-    losses = []
+
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens
+
+    loss_of = torch.compile(loss_of) if c.model.compile else loss_of
+    records, since, steps_since = [], time.perf_counter(), 0
     for step in range(1, t.steps + 1):
         total = torch.zeros((), device=device)
         for inputs, targets in sampler.micro_batches(step):
-            inputs, targets = inputs.to(device), targets.to(device)
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            with autocast:
+                loss = loss_of(inputs, targets)
             loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        steps_since += 1
         if step % c.logging.log_every == 0 or step == t.steps:
-            losses.append(total.item())  # the one host sync, when logging, as in parallel3d
+            loss_value = total.item()  # the one host sync, when logging, as in parallel3d
+            elapsed = time.perf_counter() - since
+            records.append({"step": step, "loss": loss_value, "tokens_per_sec": tokens * steps_since / elapsed,
+                            "step_time_s": elapsed / steps_since})
+            since, steps_since = time.perf_counter(), 0
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return losses
+    return records
 
 
 LOOPS = {"parallel3d": ours, "plain": plain}

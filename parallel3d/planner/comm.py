@@ -106,40 +106,47 @@ def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, lay
                      norm_reductions: int) -> None:
     g = Geometry.of(layout)
     t, mb, sp = layout.tp, layout.micro_batches, layout.sequence_parallel
-    act = g.tokens * model.dim * g.c  # one full-sequence activation, S
-    # Per block and micro batch: 2 gathers (SP) and 2 reductions in forward, as many in backward,
-    # plus what a recomputed block repeats.
-    gathers = reductions = 0
+    # One full-sequence activation, S: the matmuls' outputs (and in backward the gradients of
+    # them) are in the compute dtype; the norms' outputs (and in backward their gradients) in the
+    # residual stream's, float32 under autocast, where each matmul casts its input for itself.
+    act, res = (g.tokens * model.dim * b for b in (g.c, g.r))
+    # Per block and micro batch, forward: 2 gathers of norm outputs (SP), 2 reductions of matmul
+    # outputs; backward the reverse on their gradients; plus what a recomputed block repeats.
+    regathers = rereductions = 0
     for layer in stage.blocks:
         mode = checkpointed(layer, layout)
-        gathers += 4 + (2 if mode in ("full", "op") else 0)
-        reductions += 4 + (1 if mode == "full" else 0)
+        regathers += 2 if mode in ("full", "op") else 0
+        rereductions += 1 if mode == "full" else 0
+    n = 2 * len(stage.blocks)
     # The output projection gathers its input (SP) and reduces its input's gradient. A tied
     # embedding, split over the vocabulary, reduces its output; an untied one, split over its dim,
     # sends each rank's slice of every token to the token's sequence shard and back (all-to-all;
-    # gloo has none, DTensor all-gathers the sequence instead), or gathers it without SP.
+    # gloo has none, DTensor all-gathers the sequence instead), or gathers it without SP. All of
+    # them are residual-stream tensors.
     tied_first = stage.first and model.tie_embeddings
     untied_first = stage.first and not model.tie_embeddings
+    norm_side = n + stage.last + tied_first
     if sp:
-        out["all_gather"] += mb * (gathers + stage.last + tied_first) * ring("all_gather", act, t)
-        out["reduce_scatter"] += mb * (reductions + stage.last + tied_first) * ring("reduce_scatter", act, t)
+        out["all_gather"] += mb * ((norm_side + regathers) * ring("all_gather", res, t) + n * ring("all_gather", act, t))
+        out["reduce_scatter"] += mb * ((n + rereductions) * ring("reduce_scatter", act, t)
+                                       + norm_side * ring("reduce_scatter", res, t))
         if untied_first and g.cpu:
-            out["all_gather"] += 2 * mb * ring("all_gather", act, t)
+            out["all_gather"] += 2 * mb * ring("all_gather", res, t)
         elif untied_first:
-            out["all_to_all"] += 2 * mb * ring("all_to_all", act / t, t)
+            out["all_to_all"] += 2 * mb * ring("all_to_all", res / t, t)
         norms = 2 * len(stage.blocks) + stage.last  # replicated norm weights, partial gradients
         out["all_reduce"] += norm_reductions * ring("all_reduce", norms * model.dim * MASTER_BYTES, t)
     else:
-        out["all_reduce"] += mb * (reductions + stage.last + tied_first) * ring("all_reduce", act, t)
+        out["all_reduce"] += mb * ((n + rereductions) * ring("all_reduce", act, t) + norm_side * ring("all_reduce", res, t))
         if untied_first:
-            out["all_gather"] += mb * ring("all_gather", act, t)
+            out["all_gather"] += mb * ring("all_gather", res, t)
     if stage.last:  # loss parallel: max, sum of exponentials and the target's logit per token
         out["all_reduce"] += mb * ring("all_reduce", 3 * g.tokens * 4, t)
 
 
 def _pipeline(out: dict[str, float], model: ModelShape, stages: list[Stage], layout: Layout) -> None:
     g = Geometry.of(layout)
-    act = g.tokens_norm * model.dim * g.c
+    act = g.tokens_norm * model.dim * g.r  # hidden states, float32 under autocast
     held = {s.index for s in stages}
     for stage in stages:
         sends = (not stage.last and stage.index + 1 not in held) + (not stage.first and stage.index - 1 not in held)

@@ -118,6 +118,17 @@ class Layout(ParallelDims):
     def reduce_bytes(self) -> int:
         return DTYPE_BYTES[self.reduce_dtype]
 
+    @property
+    def autocast(self) -> bool:
+        """Without data parallelism no FSDP policy casts the parameters: they stay float32 and
+        autocast casts per op (``train.train_step``), so the residual stream stays float32 too."""
+        return self.dp == 1 and self.compute_bytes != MASTER_BYTES
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the residual stream: block inputs and outputs, hidden states sent on."""
+        return MASTER_BYTES if self.autocast else self.compute_bytes
+
     def name(self) -> str:
         """Short label, e.g. ``dp8 tp8 pp2/Interleaved1F1Bx2 z1 mb1 ac=full``."""
         dp = f"hsdp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp_shard}"

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Throughput, MFU and peak memory on one GPU in bf16: parallel3d's training loop without and
+with ``torch.compile`` of its blocks and loss, beside a plain PyTorch loop of the same model,
+batches and optimizer (eager, and model and loss compiled as one graph, nanoGPT's way), all in
+one process; each peak beside the planner's prediction.
+
+    python tools/bench_gpu.py [--case 1b] [--case 8b-blocks] [--steps 30] [--log-every 10] [key=value ...]
+
+Tokens/s is the median over the log intervals after the first (which holds compilation and the
+allocator's warm-up), each interval timed as parallel3d's metrics.jsonl times it: wall time
+between two host syncs. MFU = tokens/s x FLOPs per token / the device's peak
+(``parallel3d.models.flops_per_token``: 6 per matmul weight plus attention scores without the
+causal half, PaLM's and torchtitan's count; ``parallel3d.metrics.PEAK_FLOPS``: dense bf16).
+The peak is the allocator's (``torch.cuda.max_memory_allocated``); the planner predicts eager
+kernels, so the compiled loops' peaks, whose fused kernels keep fewer intermediates, are shown
+beside it for what they are. Trailing ``key=value`` overrides apply to every case (on a machine
+without a GPU, ``train.device=cpu model=tiny`` exercises the tool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from bench_common import heading  # noqa: E402
+from bench_overhead import ours_records, plain_records  # noqa: E402
+from parallel3d.config import compose  # noqa: E402
+from parallel3d.planner import predict  # noqa: E402
+
+GiB = 2**30
+BF16 = ["train.param_dtype=bfloat16", "checkpoint.every=0", "model.activation_checkpoint=none", "optim.warmup_steps=1"]
+# name: (what it is, overrides). The recipes' own batches: 1B trains 8 micro batches of 4 x 2048
+# tokens a step; 8B's blocks 4 micro batches of 8192 tokens, with as many blocks as fit 80 GB.
+CASES = {
+    "1b": ("Llama 3.2 1B", ["recipe=llama3_1b", *BF16]),
+    "8b-blocks": ("Llama 3 8B shapes, 8 of its 32 blocks", ["recipe=llama3_8b", "model.n_layers=8",
+                                                            "train.global_batch_size=4", *BF16]),
+}
+LOOPS = {  # name: (runs, model.compile)
+    "parallel3d": (ours_records, False),
+    "parallel3d, compiled blocks and loss": (ours_records, True),
+    "plain PyTorch": (plain_records, False),
+    "plain PyTorch, compiled whole": (plain_records, True),
+}
+
+
+def measure(loop: str, overrides: list[str], run_dir: Path) -> dict:
+    """One loop's run: its records, median tokens/s past the first interval, and allocator peak."""
+    runs, compiled = LOOPS[loop]
+    overrides = [*overrides, f"model.compile={str(compiled).lower()}"]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    records = ours_records(overrides, run_dir) if runs is ours_records else plain_records(overrides)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    torch._dynamo.reset()  # the next loop compiles afresh, with nothing held from this one
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    timed = records[1:] or records
+    return {"losses": [r["loss"] for r in records], "peak": peak,
+            "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+            "step_time_s": statistics.median(r["step_time_s"] for r in timed)}
+
+
+def report(case: str, overrides: list[str], tmp: Path) -> list[str]:
+    from parallel3d.metrics import peak_flops
+    from parallel3d.models import flops_per_token
+
+    cfg = compose([*overrides, "run_dir=unused"])
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu")
+    peak_flop_s = peak_flops(device, cfg.train.param_dtype)
+    flops = flops_per_token(cfg.model, cfg.train.seq_len)
+    planned = predict(cfg, 1).ranks[0].peak_bytes
+    results = {}
+    for i, loop in enumerate(LOOPS):
+        print(f"bench_gpu: {case}: {loop} ...", file=sys.stderr, flush=True)
+        results[loop] = measure(loop, overrides, tmp / f"{case}-{i}")
+
+    def loss_gap(a: str, b: str) -> float:
+        return max(abs(x - y) / abs(y) for x, y in zip(results[a]["losses"], results[b]["losses"]))
+
+    t = cfg.train
+    rows = [f"**{CASES[case][0]}**: {t.global_batch_size // t.micro_batch_size} micro batches of "
+            f"{t.micro_batch_size} x {t.seq_len} tokens a step, {flops / 1e9:.2f} GFLOP per token; planner peak "
+            f"{planned / GiB:.2f} GiB. Largest relative loss difference from parallel3d: plain "
+            f"{loss_gap('plain PyTorch', 'parallel3d'):.1e} (eager), "
+            f"{loss_gap('plain PyTorch, compiled whole', 'parallel3d, compiled blocks and loss'):.1e} (compiled).\n",
+            "| loop | step s | tokens/s | MFU | peak GiB | planner vs peak |", "|---|---|---|---|---|---|"]
+    for loop, r in results.items():
+        mfu = f"{r['tokens_per_sec'] * flops / peak_flop_s:.1%}" if peak_flop_s else "–"
+        peak = f"{r['peak'] / GiB:.2f}" if r["peak"] else "–"
+        gap = f"{planned / r['peak'] - 1:+.1%}" if r["peak"] else "–"
+        rows.append(f"| {loop} | {r['step_time_s']:.3f} | {r['tokens_per_sec']:,.0f} | {mfu} | {peak} | {gap} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", action="append", choices=list(CASES), help="model(s) to run (default: all)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per loop")
+    parser.add_argument("--log-every", type=int, default=5, help="steps per timed interval")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every case, e.g. train.seq_len=4096")
+    args = parser.parse_args(argv)
+    print(heading("Throughput, MFU and memory on one GPU", "bench_gpu.py", argv, "bf16 autocast, fused AdamW"))
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in args.case or list(CASES):
+            overrides = [*CASES[case][1], f"train.steps={args.steps}", f"logging.log_every={args.log_every}",
+                         *args.overrides]
+            print("\n" + "\n".join(report(case, overrides, Path(tmp))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
