@@ -15,9 +15,10 @@ What is exact and what is a model:
   for any rank): exact, byte for byte, for this code; tests/conftest.py checks it against every
   parity run, tests/test_planner.py against fake-process-group ranks with uneven shards.
 * Activations per microbatch (``RankMemory.activation_per_microbatch``): counted tensor by tensor
-  (``planner/activations.py``); exact against CPU kernels in float32 and bfloat16 for every
-  checkpointing mode, with and without tensor/sequence parallelism, on every pipeline stage. On
-  CUDA it assumes the fused RMSNorm and flash attention (checked by no test here: no GPU).
+  (``planner/activations.py``); exact against CPU kernels in float32 and bfloat16 (FSDP's mixed
+  precision and autocast) for every checkpointing mode, with and without tensor/sequence
+  parallelism, on every pipeline stage. On CUDA it counts the fused RMSNorm and cuDNN attention,
+  eager kernels (compiled blocks keep less): one-GPU peaks on an H100 within 1.2% (BENCHMARKS.md).
 * Activations in flight (``activation_bytes``): replays torch's own schedule order.
 * ``peak_bytes``: model state + activations + FSDP's gathered parameters and unsharded gradients
   (under pipelining replayed in the schedule's order: a stage's gradients exist from its first
