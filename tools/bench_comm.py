@@ -18,13 +18,12 @@ forms in tests/test_dryrun.py, which asserts every row byte for byte.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from bench_common import heading  # noqa: E402
+from bench_common import print_dry_run_table  # noqa: E402
 from parallel3d.config import compose  # noqa: E402
 from parallel3d.dryrun import dry_run  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
@@ -82,12 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--large", action="store_true", help="also the 405B recipe's rank 0")
     args = parser.parse_args(argv)
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     layouts = LAYOUTS | (LARGE if args.large else {})
-    print(heading("Communication per rank per step, measured and planned", "bench_comm.py", argv,
-                  "dry run: fake process group, fake tensors") + "\n")
-    print("\n".join(table(layouts)))
-    return 0
+    return print_dry_run_table("Communication per rank per step, measured and planned", "bench_comm.py", argv,
+                               lambda: table(layouts))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ heading of the Markdown block they print for BENCHMARKS.md (what, when, on what,
 
 from __future__ import annotations
 
+import logging
 import platform
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import date
 
@@ -31,3 +33,12 @@ def heading(title: str, tool: str, argv: list[str] | None, machine: str = "") ->
             f"Machine: {platform.node()}, {device}{', ' + machine if machine else ''}, torch {torch.__version__}, "
             f"Python {platform.python_version()}  \n"
             f"Command: `python tools/{tool} {command}`  ")
+
+
+def print_dry_run_table(title: str, tool: str, argv: list[str] | None, rows: Callable[[], list[str]]) -> int:
+    """The Markdown block of a tool that measures with the dry run: heading, then ``rows()``."""
+    # DTensor warns for every redistribution the fake process group cannot order: noise here.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    print(heading(title, tool, argv, "dry run: fake process group, fake tensors") + "\n")
+    print("\n".join(rows()))
+    return 0

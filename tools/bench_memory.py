@@ -13,13 +13,12 @@ its GPU figure (fused RMSNorm and attention kernels) is shown beside it, unverif
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from bench_common import heading  # noqa: E402
+from bench_common import print_dry_run_table  # noqa: E402
 from parallel3d.config import compose  # noqa: E402
 from parallel3d.dryrun import dry_run  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
@@ -80,13 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the small matrix of tests/test_dryrun.py instead")
     args = parser.parse_args(argv)
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    print(heading("Peak memory per rank, measured and planned", "bench_memory.py", argv,
-                  "dry run: fake process group, fake tensors") + "\n")
     quick = {f"8B-shaped, 4 blocks: {name}": (world, [*QUICK_BASE, *overrides], None)
              for name, (world, overrides) in QUICK.items()}
-    print("\n".join(table(quick if args.quick else LAYOUTS)))
-    return 0
+    return print_dry_run_table("Peak memory per rank, measured and planned", "bench_memory.py", argv,
+                               lambda: table(quick if args.quick else LAYOUTS))
 
 
 if __name__ == "__main__":
