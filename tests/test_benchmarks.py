@@ -1,6 +1,7 @@
 """The benchmark tools: bench_overhead compares loops that train identically (and refuses the
 others), bench_comm puts the planner's bytes beside the measured ones, bench_optimizer times
-implementations that compute the same update (and refuses the others)."""
+implementations that compute the same update (and refuses the others), bench_gpu runs its four
+loops (here on CPU, where it reports no MFU or allocator peak)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import bench_comm  # noqa: E402
+import bench_gpu  # noqa: E402
 import bench_optimizer  # noqa: E402
 import bench_overhead  # noqa: E402
 
@@ -63,3 +65,15 @@ def test_bench_optimizer_times_implementations_that_agree(capsys, monkeypatch):
     monkeypatch.setattr(bench_optimizer, "optimizer_over", wrong_lr)
     assert bench_optimizer.main(["--steps", "1", "model.n_layers=1"]) == 1
     assert "disagree" in capsys.readouterr().out
+
+
+def test_bench_gpu_runs_its_loops_and_the_plain_ones_train_alike(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert bench_gpu.main(["--case", "1b", "--steps", "2", "--log-every", "1", "train.device=cpu", "model=tiny",
+                           "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    eager, compiled = (float(v) for v in re.search(r"plain (\S+) \(eager\), (\S+) \(compiled\)", out).groups())
+    assert eager <= 1e-5 and compiled <= 1e-3  # same kernels eager; compiled graphs fuse differently
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "loop" not in line]
+    assert [r[0].lstrip("| ") for r in rows] == list(bench_gpu.LOOPS)
+    assert all(float(r[2].replace(",", "")) > 0 for r in rows)  # tokens/s

@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from bench_common import heading  # noqa: E402
 from bench_overhead import ours_records, plain_records  # noqa: E402
 from parallel3d.config import compose  # noqa: E402
+from parallel3d.metrics import peak_flops  # noqa: E402
+from parallel3d.models import flops_per_token  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
 
 GiB = 2**30
@@ -44,11 +46,11 @@ CASES = {
     "8b-blocks": ("Llama 3 8B shapes, 8 of its 32 blocks", ["recipe=llama3_8b", "model.n_layers=8",
                                                             "train.global_batch_size=4", *BF16]),
 }
-LOOPS = {  # name: (runs, model.compile)
+LOOPS = {  # name: (its records of a run with these overrides in this run_dir, model.compile)
     "parallel3d": (ours_records, False),
     "parallel3d, compiled blocks and loss": (ours_records, True),
-    "plain PyTorch": (plain_records, False),
-    "plain PyTorch, compiled whole": (plain_records, True),
+    "plain PyTorch": (lambda overrides, run_dir: plain_records(overrides), False),
+    "plain PyTorch, compiled whole": (lambda overrides, run_dir: plain_records(overrides), True),
 }
 
 
@@ -59,7 +61,7 @@ def measure(loop: str, overrides: list[str], run_dir: Path) -> dict:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    records = ours_records(overrides, run_dir) if runs is ours_records else plain_records(overrides)
+    records = runs(overrides, run_dir)
     peak = torch.cuda.max_memory_allocated() if cuda else None
     torch._dynamo.reset()  # the next loop compiles afresh, with nothing held from this one
     gc.collect()
@@ -72,9 +74,6 @@ def measure(loop: str, overrides: list[str], run_dir: Path) -> dict:
 
 
 def report(case: str, overrides: list[str], tmp: Path) -> list[str]:
-    from parallel3d.metrics import peak_flops
-    from parallel3d.models import flops_per_token
-
     cfg = compose([*overrides, "run_dir=unused"])
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu")
     peak_flop_s = peak_flops(device, cfg.train.param_dtype)
