@@ -5,9 +5,9 @@ the same model, batches, optimizer and schedule, measured side by side in one pr
     python tools/bench_overhead.py [--repeats 5] [--steps 20] [--threads 1] [key=value ...]
 
 The plain loop is what a user would write by hand (nanoGPT style): the model, fused AdamW (as
-parallel3d's default), LambdaLR, cross-entropy, clip_grad_norm_, ``loss.item()`` when logging. Both read the same batches from
-the same sampler and start from the same weights, so their losses must agree; the tool checks
-that before it reports a time.
+parallel3d's default), LambdaLR, cross-entropy, clip_grad_norm_, ``loss.item()`` when logging.
+Both read the same batches from the same sampler and start from the same weights, so their
+losses must agree; the tool checks that before it reports a time.
 
 What is timed: the cost of a step, set-up excluded. Each loop trains ``--steps`` and then
 ``2 x --steps`` steps from scratch; the difference of the two, divided by ``--steps``, is the

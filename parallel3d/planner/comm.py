@@ -127,7 +127,8 @@ def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, lay
     untied_first = stage.first and not model.tie_embeddings
     norm_side = n + stage.last + tied_first
     if sp:
-        out["all_gather"] += mb * ((norm_side + regathers) * ring("all_gather", res, t) + n * ring("all_gather", act, t))
+        out["all_gather"] += mb * ((norm_side + regathers) * ring("all_gather", res, t)
+                                   + n * ring("all_gather", act, t))
         out["reduce_scatter"] += mb * ((n + rereductions) * ring("reduce_scatter", act, t)
                                        + norm_side * ring("reduce_scatter", res, t))
         if untied_first and g.cpu:
@@ -137,7 +138,8 @@ def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, lay
         norms = 2 * len(stage.blocks) + stage.last  # replicated norm weights, partial gradients
         out["all_reduce"] += norm_reductions * ring("all_reduce", norms * model.dim * MASTER_BYTES, t)
     else:
-        out["all_reduce"] += mb * ((n + rereductions) * ring("all_reduce", act, t) + norm_side * ring("all_reduce", res, t))
+        out["all_reduce"] += mb * ((n + rereductions) * ring("all_reduce", act, t)
+                                   + norm_side * ring("all_reduce", res, t))
         if untied_first:
             out["all_gather"] += mb * ring("all_gather", res, t)
     if stage.last:  # loss parallel: max, sum of exponentials and the target's logit per token
