@@ -63,6 +63,7 @@ from parallel3d.data import BatchSpec
 from parallel3d.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.metrics import model_state_bytes
 from parallel3d.optim import build_lr_scheduler, build_optimizer, init_optimizer_state
+from parallel3d.parallel.data import uses_autocast
 from parallel3d.validate import DTYPES, check
 
 COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
@@ -282,9 +283,7 @@ def _static_stage_metadata(pipeline, c: Config, dims: ParallelDims) -> None:
     """Give each stage the shapes its neighbours would have sent at start-up (see module docstring)."""
     t = c.train
     seq = t.seq_len // dims.tp if dims.tp > 1 and c.parallel.sequence_parallel else t.seq_len
-    # The FSDP/replicate mixed-precision policy computes in param_dtype; without data parallelism
-    # autocast does, but the residual stream (embedding + block outputs) stays float32.
-    dtype = DTYPES[t.param_dtype] if dims.dp > 1 else torch.float32
+    dtype = torch.float32 if uses_autocast(dims.dp, t.param_dtype) else DTYPES[t.param_dtype]
     with torch.device("meta"):
         hidden = torch.empty(t.micro_batch_size, seq, c.model.dim, dtype=dtype, requires_grad=True)
         tokens = torch.empty(t.micro_batch_size, t.seq_len, dtype=torch.long)

@@ -35,7 +35,7 @@ from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_byte
 from parallel3d.models import Transformer, flops_per_token, num_params
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
 from parallel3d.parallel import parallelize
-from parallel3d.parallel.data import set_gradient_sync
+from parallel3d.parallel.data import set_gradient_sync, uses_autocast
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts, build_schedule, num_stages
 from parallel3d.progress import Progress
 from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
@@ -253,9 +253,9 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
     schedule under pp), the tied embeddings' gradient sum, global-norm clipping, optimizer and lr
     steps. Returns (this rank's summed loss, the gradient norm); the gradients stay for the caller
     to measure and zero. The dry run (parallel3d/dryrun.py) runs this same function on fake tensors."""
-    # With data parallelism the FSDP/replicate mixed-precision policy casts; alone, autocast does.
+    dp = 1 if meshes.dp is None else meshes.dp.size()
     autocast = (torch.autocast(device.type, dtype=DTYPES[c.train.param_dtype])
-                if meshes.dp is None and c.train.param_dtype != "float32" else contextlib.nullcontext())
+                if uses_autocast(dp, c.train.param_dtype) else contextlib.nullcontext())
     # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
     # backward are computed on the shards.
     vocab_parallel = loss_parallel if meshes.tp is not None else contextlib.nullcontext

@@ -115,8 +115,15 @@ def set_gradient_sync(model: nn.Module, sync: bool, zero_stage: int) -> None:
     ZeRO-2 and 3 reduce-scatter every micro batch instead: accumulating unsharded gradients would
     cost the memory those stages exist to save.
     """
-    if zero_stage == 0:
+    if zero_stage <= 1:
         model.set_requires_gradient_sync(sync)
-    elif zero_stage == 1:
-        model.set_requires_gradient_sync(sync)
+    if zero_stage == 1:
         model.set_reshard_after_backward(sync)
+
+
+def uses_autocast(dp: int, param_dtype: str) -> bool:
+    """How a lower ``param_dtype`` is applied. With data parallelism the mixed-precision policy of
+    FSDP (or replicate) casts the parameters, and activations are in ``param_dtype`` throughout.
+    Without it the parameters stay float32 and autocast casts per op, so the residual stream
+    (embedding and block outputs, hidden states between pipeline stages) stays float32."""
+    return dp == 1 and param_dtype != "float32"

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from parallel3d.mesh import ParallelDims
+from parallel3d.parallel.data import uses_autocast
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -120,9 +121,8 @@ class Layout(ParallelDims):
 
     @property
     def autocast(self) -> bool:
-        """Without data parallelism no FSDP policy casts the parameters: they stay float32 and
-        autocast casts per op (``train.train_step``), so the residual stream stays float32 too."""
-        return self.dp == 1 and self.compute_bytes != MASTER_BYTES
+        """Compute under autocast, float32 residual stream (``parallel.data.uses_autocast``)."""
+        return uses_autocast(self.dp, self.param_dtype)
 
     @property
     def residual_bytes(self) -> int:
