@@ -193,7 +193,7 @@ def dry_run(overrides: list[str], world_size: int, ranks: list[int] | None = Non
         overrides = [*overrides, f"run_dir={tempfile.gettempdir()}/parallel3d-dryrun"]
     cfg = compose(overrides)
     # The layout is meant for the cluster: check it against that cluster's device, not this CPU's.
-    check(cfg, world_size, device="cpu" if cfg.train.device == "cpu" else "cuda")
+    cfg = check(cfg, world_size, device="cpu" if cfg.train.device == "cpu" else "cuda")
     c: Config = OmegaConf.to_object(cfg)
     ranks = representative_ranks(c.parallel, world_size) if ranks is None else ranks
     bad = [r for r in ranks if not 0 <= r < world_size]

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from parallel3d.config import ModelConfig
-from parallel3d.validate import ConfigError
+from parallel3d.base import ConfigError
 
 _BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",

@@ -11,6 +11,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+LR_SCHEDULES = ("cosine", "wsd", "constant")  # optim.schedule
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")  # optim.implementation
+
 
 def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
     """AdamW over the model's parameters (this rank's shards of them, under ZeRO)."""

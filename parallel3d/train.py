@@ -91,7 +91,7 @@ def shared_run_dir(run_dir: str) -> Path:
 def train(cfg: DictConfig) -> Path:
     """Train as ``cfg`` says; returns the run directory. Raises ConfigError before any process group."""
     world_size = world_size_from_env()
-    check(cfg, world_size)
+    cfg = check(cfg, world_size)  # resolved: dp_shard and zero_stage concrete
     device = init_distributed(cfg.train, world_size)
     is_rank0 = rank() == 0
     torch.manual_seed(cfg.train.seed + rank())  # the global RNG (checkpointed), reproducible per rank

@@ -1,21 +1,34 @@
 """Check a composed config against the world size before any process group exists.
 
-``check(cfg, world_size)`` resolves the shorthand values (``dp_shard=-1``, Accelerate strategy
-names) in place and raises :class:`ConfigError` for the first problem it finds. Each error names
-the key, the value, why it cannot work and how to fix it, in one message meant for a person.
+``resolve(cfg, world_size)`` makes the shorthand values concrete (``dp_shard=-1``, Accelerate
+strategy names) and returns a resolved copy; ``check(cfg, world_size)`` resolves, then raises
+:class:`ConfigError` for the first problem it finds and returns the resolved config. Neither
+changes the config it is given. Each error names the key, the value, why it cannot work and how
+to fix it, in one message meant for a person. Allowed names live with the code that reads them
+(pipeline schedules in parallel/pipeline.py, checkpointing modes in parallel/activation.py ...).
 """
 
 from __future__ import annotations
 
-import os
+import copy
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LR_SCHEDULES = ("cosine", "wsd", "constant")
-OPTIM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+from parallel3d import hf
+from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device, world_size_from_env
+from parallel3d.checkpoint import find_checkpoint
+from parallel3d.data.tokenizer import load_tokenizer
+from parallel3d.optim import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
+from parallel3d.optim import LR_SCHEDULES
+from parallel3d.parallel.activation import AC_MODES
+from parallel3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
+from parallel3d.parallel.pipeline import V_SCHEDULES, is_single_stage, layer_split, stages_per_rank
+
+# Re-exported: callers written before parallel3d.base import these names from here.
+__all__ = ["ConfigError", "DTYPES", "check", "divisors", "resolve", "resolve_device", "world_size_from_env"]
 
 # Hugging Face Accelerate's FSDP strategy names -> (zero stage, needs dp_replicate > 1).
 ACCELERATE_STRATEGIES = {
@@ -27,25 +40,31 @@ ACCELERATE_STRATEGIES = {
 }
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot run, explained for the person who wrote it."""
+def resolve(cfg, world_size: int):
+    """``cfg`` with its shorthands made concrete: ``parallel.fsdp_sharding_strategy`` sets
+    ``zero_stage``, ``dp_shard=-1`` takes the ranks left over. Returns ``cfg`` itself when there
+    is nothing to resolve, else a resolved copy; ``cfg`` is never changed. Raises ConfigError for
+    shorthands that cannot be resolved."""
+    p = cfg.parallel
+    stage = _strategy_stage(p)
+    dp_shard = _resolve_dp_shard(p, world_size)
+    if stage is None and dp_shard == p.dp_shard:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    if stage is not None:
+        cfg.parallel.zero_stage = stage
+    cfg.parallel.dp_shard = dp_shard
+    return cfg
 
-    def __init__(self, key: str, value: object, problem: str, fix: str):
-        self.key, self.value = key, value
-        super().__init__(f"{key}={value}: {problem}. Fix: {fix}.")
 
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check(cfg, world_size: int, device: str | None = None) -> None:
-    """Resolve shorthands in ``cfg`` and raise ConfigError if it cannot run on ``world_size`` ranks.
+def check(cfg, world_size: int, device: str | None = None):
+    """Raise ConfigError if ``cfg`` cannot run on ``world_size`` ranks; else return it resolved
+    (see :func:`resolve`; ``cfg`` itself is not changed).
 
     ``device`` ("cpu" or "cuda"): what the run's machines have, when they are not this one (a
     Slurm job submitted from a login node); None: this machine's.
     """
-    _resolve_strategy(cfg.parallel)
+    cfg = resolve(cfg, world_size)
     _check_degrees(cfg.parallel, world_size)
     _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
     _check_data_parallel(cfg.parallel, cfg.train, device)
@@ -55,12 +74,14 @@ def check(cfg, world_size: int, device: str | None = None) -> None:
     _check_data(cfg.data, cfg.model)
     _check_logging(cfg.logging)
     _check_checkpoint(cfg.checkpoint, cfg.model, _run_dir(cfg))
+    return cfg
 
 
-def _resolve_strategy(p) -> None:
+def _strategy_stage(p) -> int | None:
+    """The zero stage ``parallel.fsdp_sharding_strategy`` names (None: unset)."""
     name = p.fsdp_sharding_strategy
     if name is None:
-        return
+        return None
     if name not in ACCELERATE_STRATEGIES:
         raise ConfigError("parallel.fsdp_sharding_strategy", name, "unknown strategy",
                           f"use one of {', '.join(ACCELERATE_STRATEGIES)} (or set parallel.zero_stage)")
@@ -73,21 +94,25 @@ def _resolve_strategy(p) -> None:
         raise ConfigError("parallel.fsdp_sharding_strategy", name,
                           f"parallel.dp_replicate={p.dp_replicate} asks for hybrid sharding",
                           f"use HYBRID_SHARD or HYBRID_SHARD_ZERO2, or set parallel.dp_replicate=1")
-    p.zero_stage = stage
+    return stage
 
 
-def _check_degrees(p, world_size: int) -> None:
+def _resolve_dp_shard(p, world_size: int) -> int:
+    """``parallel.dp_shard``, with -1 replaced by the ranks left over after dp_replicate, tp, pp."""
     for key in ("dp_replicate", "tp", "pp"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}", getattr(p, key), "a parallel degree must be >= 1", "use 1 or more")
+    if p.dp_shard != -1:
+        return p.dp_shard
     rest = p.dp_replicate * p.tp * p.pp
-    if p.dp_shard == -1:
-        if world_size % rest:
-            raise ConfigError("parallel.dp_shard", -1,
-                              f"world size {world_size} is not divisible by dp_replicate*tp*pp = {rest}",
-                              f"launch a multiple of {rest} ranks or change dp_replicate/tp/pp")
-        p.dp_shard = world_size // rest
-    elif p.dp_shard < 1:
+    if world_size % rest:
+        raise ConfigError("parallel.dp_shard", -1, f"world size {world_size} is not divisible by "
+                          f"dp_replicate*tp*pp = {rest}", f"launch a multiple of {rest} ranks or change dp_replicate/tp/pp")
+    return world_size // rest
+
+
+def _check_degrees(p, world_size: int) -> None:
+    if p.dp_shard < 1:
         raise ConfigError("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 for all ranks left over",
                           "use -1 or a positive degree")
     product = p.dp_replicate * p.dp_shard * p.tp * p.pp
@@ -102,8 +127,6 @@ def _check_model(m, tp: int, pp: int) -> None:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key}", getattr(m, key), "must be positive", "use a positive size")
-    from parallel3d.parallel.activation import AC_MODES
-
     if m.activation_checkpoint not in AC_MODES:
         raise ConfigError("model.activation_checkpoint", m.activation_checkpoint, "unknown mode",
                           f"use one of {', '.join(AC_MODES)}")
@@ -166,8 +189,6 @@ def _check_data_parallel(p, t, device: str | None) -> None:
 
 
 def _check_pipeline(p, t, m) -> None:
-    from parallel3d.parallel.pipeline import V_SCHEDULES, is_single_stage, layer_split, stages_per_rank
-
     if p.pp_schedule not in PP_SCHEDULES:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule, "unknown pipeline schedule",
                           f"use one of {', '.join(PP_SCHEDULES)}")
@@ -271,8 +292,6 @@ def _check_data(d, m) -> None:
         if not Path(d.tokenizer).expanduser().is_file():
             raise ConfigError("data.tokenizer", d.tokenizer, "neither 'byte' nor an existing tokenizer.json",
                               "use data.tokenizer=byte or a path to a Hugging Face tokenizer.json")
-    from parallel3d.data.tokenizer import load_tokenizer  # the vocabulary must fit the embedding
-
     vocab = load_tokenizer(d.tokenizer).vocab_size
     if vocab > m.vocab_size:
         raise ConfigError("model.vocab_size", m.vocab_size, f"smaller than the tokenizer's vocabulary ({vocab})",
@@ -292,8 +311,6 @@ SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size
 
 
 def _run_dir(cfg) -> Path | None:
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         return Path(str(cfg.run_dir)).expanduser()
     except (OmegaConfBaseException, ValueError):  # Hydra's own run dir is known only inside a Hydra run
@@ -301,9 +318,6 @@ def _run_dir(cfg) -> Path | None:
 
 
 def _check_checkpoint(ck, m, run_dir: Path | None) -> None:
-    from parallel3d import hf
-    from parallel3d.checkpoint import find_checkpoint
-
     for key in ("every", "keep_last"):
         if getattr(ck, key) < 0:
             raise ConfigError(f"checkpoint.{key}", getattr(ck, key), "must be >= 0", "use 0 (off / keep all) or N")
@@ -327,8 +341,6 @@ def _check_checkpoint(ck, m, run_dir: Path | None) -> None:
 
 
 def _check_saved_shape(key: str, value: str, checkpoint: Path, m) -> None:
-    from omegaconf import OmegaConf
-
     saved = OmegaConf.load(checkpoint / "config.yaml").model
     for name in SHAPE_KEYS:
         if saved[name] != m[name]:
@@ -336,13 +348,3 @@ def _check_saved_shape(key: str, value: str, checkpoint: Path, m) -> None:
                               f"run builds model.{name}={m[name]}", f"set model.{name}={saved[name]} (the layout "
                               f"may change freely, the model's shape may not)")
 
-
-def resolve_device(device: str, available: str | None = None) -> str:
-    """``train.device`` made concrete: auto picks the GPU when the machine (or ``available``) has one."""
-    if device == "auto":
-        return available or ("cuda" if torch.cuda.is_available() else "cpu")
-    return device
-
-
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))

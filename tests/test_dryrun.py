@@ -263,8 +263,7 @@ def test_fake_tensors_report_what_real_tensors_do(three_d):
     active fake mode, which made MemTracker count whole unsharded weights until the dry run gave
     it a mode of its own."""
     cfg = compose([*THREE_D, "run_dir=/nonexistent"])
-    check(cfg, 8)
-    real = run_rank(OmegaConf.to_object(cfg), 8, 0, fake=False)
+    real = run_rank(OmegaConf.to_object(check(cfg, 8)), 8, 0, fake=False)
     assert dataclasses.asdict(real) | {"seconds": 0} == dataclasses.asdict(three_d[0]) | {"seconds": 0}
 
 
@@ -298,8 +297,7 @@ def test_a_training_step_never_waits_for_the_device(world, overrides):
     """No .item(), bool(tensor), torch.equal or data-dependent shape in a step (real tensors): the
     loss and the grad norm are read on logging steps only, so a GPU's queue never drains mid-step."""
     cfg = compose([*overrides, "run_dir=/nonexistent"])
-    check(cfg, world)
-    assert run_rank(OmegaConf.to_object(cfg), world, 0, fake=False).host_reads == []
+    assert run_rank(OmegaConf.to_object(check(cfg, world)), world, 0, fake=False).host_reads == []
 
 
 def test_host_reads_are_recorded():

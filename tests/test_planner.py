@@ -76,9 +76,7 @@ def in_fork(fn, *args):
 def _config(overrides: list[str], world: int):
     """The composed config (for predict) and its validated dataclass (for building ranks)."""
     cfg = compose([*SMALL, *overrides])
-    resolved = copy.deepcopy(cfg)
-    check(resolved, world)
-    return cfg, OmegaConf.to_object(resolved)
+    return cfg, OmegaConf.to_object(check(cfg, world))
 
 
 def _build(c, meshes, pp_rank: int):

@@ -91,15 +91,16 @@ def test_refused_on_a_cpu_only_machine(overrides, key):
 def test_accelerate_strategy_names_set_the_zero_stage(strategy, replicate, stage):
     cfg = compose([f"parallel.fsdp_sharding_strategy={strategy}", f"parallel.dp_replicate={replicate}",
                    "train.micro_batch_size=1"])
-    check(cfg, 8)
-    assert cfg.parallel.zero_stage == stage
-    assert cfg.parallel.dp_shard == 8 // replicate
+    resolved = check(cfg, 8)
+    assert resolved.parallel.zero_stage == stage
+    assert resolved.parallel.dp_shard == 8 // replicate
+    assert (cfg.parallel.zero_stage, cfg.parallel.dp_shard) == (3, -1)  # the given config is left as it was
 
 
 def test_dp_shard_minus_one_takes_the_ranks_left_over():
     cfg = compose(["parallel.dp_replicate=2", "train.micro_batch_size=1"])
-    check(cfg, 8)
-    assert cfg.parallel.dp_shard == 4
+    assert check(cfg, 8).parallel.dp_shard == 4
+    assert cfg.parallel.dp_shard == -1
 
 
 @pytest.mark.parametrize("recipe,world_sizes", [("tiny_cpu", (1, 2, 4, 8)), ("llama3_1b", (1, 8)),

@@ -15,7 +15,7 @@ from parallel3d.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.tensor import apply_tensor_parallel
-from parallel3d.validate import DTYPES
+from parallel3d.base import DTYPES
 
 
 def data_parallel_plan(parallel, train) -> DataParallelPlan:

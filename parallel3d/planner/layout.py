@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from parallel3d.base import resolve_device
 from parallel3d.mesh import ParallelDims
 from parallel3d.parallel.data import uses_autocast
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
@@ -71,8 +72,6 @@ class Layout(ParallelDims):
     @classmethod
     def from_config(cls, cfg, device: str | None = None) -> "Layout":
         """From a config that ``validate.check`` has resolved (dp_shard >= 1, zero_stage set)."""
-        from parallel3d.validate import resolve_device
-
         p, t, m = cfg.parallel, cfg.train, cfg.model
         return cls(
             dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,

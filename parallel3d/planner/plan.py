@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from parallel3d.models import flops_per_token
+from parallel3d.validate import check
 from parallel3d.planner.activations import (Geometry, block_bytes, checkpointed, receive_buffer_bytes,
                                              stage_activation_bytes)
 from parallel3d.planner.comm import stage_traffic
@@ -127,12 +127,10 @@ class Plan:
 
 def predict(cfg, world_size: int, hardware: Hardware | None = None) -> Plan:
     """Predict one configured layout: ``cfg`` is a composed config (DictConfig or the dataclass
-    ``Config``), validated and resolved (dp_shard=-1 ...) with ``validate.check`` on a copy."""
-    from parallel3d.validate import check
-
-    cfg = copy.deepcopy(cfg)
+    ``Config``), validated and resolved (dp_shard=-1 ...) by ``validate.check``, which leaves
+    ``cfg`` as it is."""
     machines = "cpu" if cfg.train.device == "cpu" else "cuda"  # a plan may be made away from the cluster
-    check(cfg, world_size, device=machines)
+    cfg = check(cfg, world_size, device=machines)
     return evaluate(ModelShape.from_config(cfg.model), Layout.from_config(cfg, machines), hardware)
 
 

@@ -135,7 +135,7 @@ def _layouts(base, model: ModelShape, world: int, hw: Hardware, micro_batch_size
                         for mbs in micro_batch_sizes:
                             cfg = _candidate_config(base, dp_replicate, dp // dp_replicate, tp, pp, zero, schedule, mbs)
                             try:
-                                check(cfg, world, device="cuda")
+                                cfg = check(cfg, world, device="cuda")
                             except ConfigError:
                                 continue
                             yield Layout.from_config(cfg, "cuda")
