@@ -99,6 +99,9 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    # Parameter-name glob patterns exempt from weight decay: norm gains (and biases, which the
+    # Llama model has none of). Add "*tok_embeddings*" to exempt the embedding too (docs/configuration.md).
+    no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias"])
     implementation: str = "auto"  # auto (fused where torch has the kernel) | fused | foreach | for_loop
     schedule: str = "cosine"  # cosine | wsd | constant
     warmup_steps: int = 5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fnmatch import fnmatch
 from functools import partial
 
 import torch
@@ -16,10 +17,24 @@ IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")  # optim.implementati
 
 
 def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters (this rank's shards of them, under ZeRO)."""
+    """AdamW over the model's parameters (this rank's shards of them, under ZeRO), in two groups:
+    weight decay for most, none for those ``optim.no_decay`` names (see :func:`decay_groups`)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                             weight_decay=optim.weight_decay, **implementation_flags(optim.implementation, params))
+    return torch.optim.AdamW(decay_groups(model, optim.weight_decay, optim.no_decay), lr=optim.lr,
+                             betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                             **implementation_flags(optim.implementation, params))
+
+
+def decay_groups(model: nn.Module, weight_decay: float, no_decay) -> list[dict]:
+    """AdamW parameter groups: parameters whose name matches a glob pattern of ``no_decay``
+    (``fnmatch`` on names such as ``layers.0.ffn_norm.weight``) get no weight decay, the rest
+    ``weight_decay``. Empty groups are left out (a pipeline stage may hold no norm)."""
+    decay, exempt = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (exempt if any(fnmatch(name, pattern) for pattern in no_decay) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def implementation_flags(implementation: str, params) -> dict:
@@ -61,11 +76,13 @@ def lr_factor(step: int, *, steps: int, warmup: int, schedule: str, min_ratio: f
         peak = max(warmup - 1, 0)
         progress = (step - peak) / max(steps - 1 - peak, 1)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    decay_steps = max(int(round(decay_fraction * steps)), 1)  # wsd: warmup, stable, linear decay
+    # wsd: warmup, stable, then linear decay that reaches min_ratio when the run ends, i.e. after
+    # its last update: every decay step still trains (with min_ratio=0 the last step is not at lr 0).
+    decay_steps = max(int(round(decay_fraction * steps)), 1)
     decay_start = steps - decay_steps
     if step < decay_start:
         return 1.0
-    return 1 - (1 - min_ratio) * min((step - decay_start + 1) / decay_steps, 1.0)
+    return 1 - (1 - min_ratio) * min((step - decay_start + 1) / (decay_steps + 1), 1.0)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim, steps: int) -> torch.optim.lr_scheduler.LambdaLR:

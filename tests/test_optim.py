@@ -62,15 +62,30 @@ def test_wsd_flat_then_linear_decay_to_min_ratio():
     assert f[WARMUP - 1 : decay_start] == [1.0] * (decay_start - WARMUP + 1)
     decay = f[decay_start:]
     assert all(b < a for a, b in zip([1.0, *decay], decay))  # strictly decreasing from the plateau
-    steps_ = [b - a for a, b in zip(decay, decay[1:])]
-    assert steps_ == pytest.approx([steps_[0]] * len(steps_))  # linear
-    assert f[-1] == pytest.approx(0.0)
+    steps_ = [b - a for a, b in zip([1.0, *decay], decay)]
+    assert steps_ == pytest.approx([-1 / (decay_steps + 1)] * decay_steps)  # linear, from the plateau
+    # The floor comes when the run ends, after the last update: the last step still trains.
+    assert f[-1] == pytest.approx(1 / (decay_steps + 1)) and f[-1] > 0
+    assert lr_factor(STEPS, steps=STEPS, warmup=WARMUP, schedule="wsd", min_ratio=0.0,
+                     decay_fraction=decay_fraction) == pytest.approx(0.0)
 
 
-def test_wsd_ends_at_nonzero_min_ratio():
+def test_wsd_default_config_never_steps_at_lr_zero():
+    """conf/optim/adamw_wsd.yaml decays to min_lr_ratio=0: no optimizer step may run at lr 0."""
+    from parallel3d.config import compose
+
+    o = compose(["optim=adamw_wsd"]).optim
+    for steps in (1, 2, 10, 40, 1000):
+        f = factors("wsd", steps=steps, warmup=min(o.warmup_steps, steps), min_ratio=o.min_lr_ratio,
+                    decay_fraction=o.decay_fraction)
+        assert min(f) > 0, steps
+
+
+def test_wsd_decays_towards_nonzero_min_ratio():
     f = factors("wsd", min_ratio=MIN_RATIO)
-    assert f[-1] == pytest.approx(MIN_RATIO)
-    assert min(f) == pytest.approx(min(f[-1], f[0]))
+    assert MIN_RATIO < f[-1] < f[-2]
+    assert lr_factor(STEPS, steps=STEPS, warmup=WARMUP, schedule="wsd", min_ratio=MIN_RATIO,
+                     decay_fraction=0.2) == pytest.approx(MIN_RATIO)
 
 
 def test_constant_stays_at_peak_after_warmup():
@@ -159,7 +174,8 @@ def _tiny_net() -> nn.Module:
 
 @pytest.mark.parametrize("implementation", ["auto", "foreach", "for_loop", "fused"])
 def test_build_optimizer_implementations_step_on_cpu(implementation):
-    cfg = OptimConfig(lr=1e-2, beta1=0.8, beta2=0.9, eps=1e-7, weight_decay=0.05, implementation=implementation)
+    cfg = OptimConfig(lr=1e-2, beta1=0.8, beta2=0.9, eps=1e-7, weight_decay=0.05, implementation=implementation,
+                      no_decay=[])  # one group: every trainable parameter decays
     model = _tiny_net()
     model[0].bias.requires_grad_(False)  # frozen parameters are left out
     optimizer = build_optimizer(model, cfg)
@@ -202,3 +218,46 @@ def test_build_optimizer_implementations_agree():
     for implementation in ("for_loop", "fused"):
         for a, b in zip(results["foreach"], results[implementation]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _decay_of(optimizer) -> dict[int, float]:
+    return {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+
+
+def test_norms_get_no_weight_decay_and_the_rest_does():
+    from parallel3d.config import ModelConfig
+    from parallel3d.models import Transformer
+
+    model = Transformer(ModelConfig(n_layers=2))
+    decay = _decay_of(build_optimizer(model, OptimConfig()))
+    names = {name: decay[id(p)] for name, p in model.named_parameters()}
+    assert len(names) == len(decay)  # every parameter, once
+    assert {n for n, wd in names.items() if wd == 0.0} == {
+        "norm.weight", *(f"layers.{i}.{k}_norm.weight" for i in range(2) for k in ("attention", "ffn"))}
+    assert names["tok_embeddings.weight"] == names["layers.1.feed_forward.w2.weight"] == 0.1
+
+
+def test_no_decay_patterns_can_exempt_the_embedding_and_an_empty_group_is_dropped():
+    from parallel3d.config import ModelConfig
+    from parallel3d.models import Transformer
+
+    model = Transformer(ModelConfig(n_layers=1))
+    cfg = replace(OptimConfig(), no_decay=["*norm*", "tok_embeddings.*"])
+    names = {name: _decay_of(build_optimizer(model, cfg))[id(p)] for name, p in model.named_parameters()}
+    assert names["tok_embeddings.weight"] == 0.0 and names["output.weight"] == 0.1
+    only = build_optimizer(model, replace(OptimConfig(), no_decay=[]))
+    assert [g["weight_decay"] for g in only.param_groups] == [0.1]
+
+
+def test_a_no_decay_parameter_is_not_shrunk_by_a_step():
+    """With zero gradients AdamW's only change is the decay: a norm gain stays, a weight shrinks."""
+    model = nn.Sequential()
+    model.add_module("norm", nn.LayerNorm(4, bias=False))
+    model.add_module("proj", nn.Linear(4, 4, bias=False))
+    optimizer = build_optimizer(model, replace(OptimConfig(), lr=0.5, weight_decay=0.1, implementation="for_loop"))
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    assert torch.equal(model.norm.weight, before[0])
+    assert torch.allclose(model.proj.weight, before[1] * (1 - 0.5 * 0.1))
