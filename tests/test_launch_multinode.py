@@ -96,7 +96,8 @@ def test_slurm_job_on_two_nodes(reference, tmp_path):
     assert log.exists(), why
     assert "on p3dn[1-2], rendezvous p3dn1" in log.read_text(), why
     # Judged by what the run wrote, not the job's state: gloo rarely aborts a worker at exit after a
-    # finished run (NOTES.md), and the job would then end FAILED.
+    # finished run ("terminate called without an active exception" from a C++ static destructor,
+    # see parallel3d/train.py main()), and the job would then end FAILED.
     run = Run(run_dir, 0, "", why)
     run.assert_finished(10)
     assert relative_error(run.losses, reference.losses) < 1e-5, (run.losses, reference.losses)

@@ -8,7 +8,7 @@ touches the host's own network, and ports never clash with the host or with othe
 
 Commands enter a node with ``nsenter --net`` + ``unshare --mount --uts``, bind-mount our hosts file
 and set the hostname; ``ip netns exec`` is not used because it remounts /sys and slurmd then dies
-(see NOTES.md). Tear-down kills every process inside our namespaces (``ip netns pids``), whoever
+(measured here: slurmd exits at start-up inside a namespace entered that way). Tear-down kills every process inside our namespaces (``ip netns pids``), whoever
 started it, so job steps that slurmd re-parented are gone too, then deletes the namespaces.
 """
 
