@@ -2,10 +2,10 @@
 
 For each rank: compose the config and ``validate.check`` it (a ConfigError comes before anything
 is built), start torch's *fake* process group as that rank (collectives return at once, moving
-nothing), build the mesh, build and parallelize the model exactly as ``train.build_model`` does
-and materialize it inside ``FakeTensorMode`` (tensors with shapes, dtypes and storages but no
-data), build the optimizer and its state (as a step after the first finds it), then run one
-``train.train_step``: forward and backward through the pipeline schedule under pp, clipping,
+nothing), build the mesh, model, optimizer and scheduler with ``setup.build_setup`` as training
+does, materializing them inside ``FakeTensorMode`` (tensors with shapes, dtypes and storages but no
+data), create the optimizer's state (as a step after the first finds it), then run one
+``setup.train_step``: forward and backward through the pipeline schedule under pp, clipping,
 optimizer and lr steps. Meanwhile a MemTracker follows
 every tensor storage (peak and what it held at the peak) and a dispatch mode records every
 collective with its process group and size.
@@ -45,7 +45,6 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -58,13 +57,14 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from parallel3d.base import DTYPES
 from parallel3d.config import Config, compose
-from parallel3d.data import BatchSpec
-from parallel3d.mesh import Meshes, ParallelDims, build_mesh
+from parallel3d.mesh import Meshes, ParallelDims
 from parallel3d.metrics import model_state_bytes
-from parallel3d.optim import build_lr_scheduler, build_optimizer, init_optimizer_state
+from parallel3d.optim import init_optimizer_state
 from parallel3d.parallel.data import uses_autocast
-from parallel3d.validate import DTYPES, check
+from parallel3d.setup import build_setup, train_step
+from parallel3d.validate import check
 
 COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
 NOT_COMMUNICATION = ("wait_tensor", "barrier", "monitored_barrier_", "_wrap_tensor_autograd")
@@ -207,39 +207,26 @@ def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankRe
     runs it on real tensors instead (a small model's check of what fake tensors report)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from parallel3d.train import build_model, train_step
-
     start = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
-        dims = ParallelDims.from_config(c.parallel)
-        device = torch.device("cpu")
-        meshes = build_mesh(dims, device.type)
-        t = c.train
-        spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
-        tokens_per_rank = spec.local_batch_size * t.seq_len
-
-        def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # as in train.train
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
-
+        device, t = torch.device("cpu"), c.train
         tensors = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-        model, pipeline, tied = build_model(c, meshes, device, c.parallel.pp_microbatches or spec.num_micro_batches,
-                                            token_loss, materialize=tensors)
+        setup = build_setup(c, device, materialize=tensors)  # as train() builds it
+        model, pipeline, tied, meshes = setup.model, setup.pipeline, setup.tied, setup.meshes
         if pipeline is not None:
-            _static_stage_metadata(pipeline, c, dims)
+            _static_stage_metadata(pipeline, c, setup.dims)
         recorder = CommRecorder(_dim_of_group(meshes, tied))
         with tensors:
-            optimizer = build_optimizer(model, c.optim)
-            init_optimizer_state(optimizer)  # AdamW creates it in its first step: measure a later one
-            scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
+            init_optimizer_state(setup.optimizer)  # AdamW creates it in its first step: measure a later one
             micro_batches = [(torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len)),
                               torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len)))
-                             for _ in range(spec.num_micro_batches)]
+                             for _ in range(setup.spec.num_micro_batches)]
             tracker = StepMemTracker()
-            tracker.track_external(model, optimizer, micro_batches)
+            tracker.track_external(model, setup.optimizer, micro_batches)
             with tracker, recorder, _own_fake_mode_for_sharding_propagation():
-                train_step(c, meshes, device, model, pipeline, tied, optimizer, scheduler, micro_batches, token_loss)
-            state = model_state_bytes(model, optimizer)  # as train() measures it: after the step, grads kept
+                train_step(setup, micro_batches)
+            state = model_state_bytes(model, setup.optimizer)  # as train() measures it: after the step, grads kept
         peak = tracker.get_tracker_snapshot("peak").get(device, {})
         coords = {name: meshes.world.get_local_rank(name) for name in meshes.world.mesh_dim_names} \
             if meshes.world is not None else {}

@@ -10,7 +10,6 @@ parallelize -> materialize + deterministic init -> data on the dp view -> loop -
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -18,27 +17,22 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import hydra
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
-from parallel3d.data import BatchSpec, StepSampler, open_corpus
-from parallel3d.mesh import ParallelDims, build_mesh
+from parallel3d.base import ConfigError, resolve_device, world_size_from_env
+from parallel3d.data import StepSampler, open_corpus
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
-from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
-from parallel3d.parallel import parallelize
-from parallel3d.parallel.data import set_gradient_sync, uses_autocast
-from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts, build_schedule, num_stages
 from parallel3d.progress import Progress
-from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
+from parallel3d.setup import Setup, build_setup, train_step
+from parallel3d.validate import check
 
 
 class TrainingDiverged(RuntimeError):
@@ -103,106 +97,152 @@ def train(cfg: DictConfig) -> Path:
     if is_rank0:
         (run_dir / "config.yaml").write_text(config_yaml)
     c: Config = OmegaConf.to_object(cfg)
-    t = c.train
 
-    dims = ParallelDims.from_config(c.parallel)
-    meshes = build_mesh(dims, device.type)
-    spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
-    tokens_per_rank = spec.local_batch_size * t.seq_len  # loss is a mean over the global batch's tokens
-    global_tokens = t.global_batch_size * t.seq_len
-
-    def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
-
-    if c.model.compile:  # fused each way: no float32 copies of the vocabulary-wide logits (BENCHMARKS.md)
-        token_loss = torch.compile(token_loss)
-
-    model, pipeline, tied = build_model(c, meshes, device, c.parallel.pp_microbatches or spec.num_micro_batches,
-                                        token_loss)
-    optimizer = build_optimizer(model, c.optim)
-    scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
-    parts = [model] if pipeline is None else pipeline.parts
+    setup = build_setup(c, device)
     progress = Progress(enabled=is_rank0)  # bars on a terminal, plain lines otherwise
-    checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=t.dist_timeout_s), progress=progress)
-    state = TrainState(parts, optimizer, scheduler)
+    checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=c.train.dist_timeout_s), progress=progress)
+    state = TrainState(setup.parts, setup.optimizer, setup.scheduler)
     start_step, data_offset = restore(checkpointer, state, c, is_rank0)
-    if c.checkpoint.create_seed:  # the initial weights, for every later layout to start from
-        checkpointer.save(0, TrainState(parts), {"samples_seen": 0}, config_yaml)
-        checkpointer.wait()
-        if is_rank0:
-            print(f"parallel3d: seed checkpoint written to {checkpointer.root / 'step_0'}", flush=True)
+    if c.checkpoint.create_seed:
+        save_seed(checkpointer, setup, config_yaml, is_rank0)
         return run_dir
-
-    if is_rank0:  # rank 0 tokenizes the default corpus once; the others then read its cache
-        corpus = open_corpus(c.data)
-    if dist.is_initialized():
-        dist.barrier()
-    if not is_rank0:
-        corpus = open_corpus(c.data)
-    sampler = StepSampler(corpus.tokens, spec, t.seed, offset=data_offset)
-
-    flops = flops_per_token(c.model, t.seq_len)
-    peak = peak_flops(device, t.param_dtype)
+    loop = TrainLoop(setup, StepSampler(load_corpus(c.data, is_rank0).tokens, setup.spec, c.train.seed,
+                                        offset=data_offset),
+                     checkpointer, state, progress, config_yaml, is_rank0)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
-    logger = MetricsLogger(run_dir, t.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress)
+    loop.logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress)
     if is_rank0:
-        with torch.device("meta"):  # the whole model's size, whatever part of it this rank holds
-            size = num_params(Transformer(c.model))
-        print(f"parallel3d | {c.recipe or 'custom'} | model {c.model.name} {size / 1e6:.2f}M params | "
-              f"{world_size} ranks {dims.sizes()} zero_stage {c.parallel.zero_stage} | {device.type} | "
-              f"run_dir {run_dir}", flush=True)
-
-    progress.start(t.steps, done=start_step)
-    state_bytes: dict[str, int] = {}
-    since, steps_since = time.perf_counter(), 0
-    for step in range(start_step + 1, t.steps + 1):
-        checkpointer.poll()
-        lr = scheduler.get_last_lr()[0]
-        loss_sum, grad_norm = train_step(c, meshes, device, model, pipeline, tied, optimizer, scheduler,
-                                         sampler.micro_batches(step), token_loss)
-        if not state_bytes:  # the first step (of this process): the optimizer state now exists
-            state_bytes = model_state_bytes(model, optimizer)
-        model.zero_grad(set_to_none=True)
-        steps_since += 1
-        progress.update(step)
-
-        if step % c.logging.log_every == 0 or step == t.steps:
-            loss_avg = loss_sum.clone()
-            if meshes.pp is not None:  # only the last stage computed a loss
-                dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
-            if meshes.dp is not None:
-                dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=meshes.dp.get_group())
-            loss_value, norm_value = loss_avg.item(), grad_norm.item()
-            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-                progress.close()  # end the bar's line before the error message
-                raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
-                                       f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
-            elapsed = time.perf_counter() - since
-            step_time, tokens_per_sec = elapsed / steps_since, global_tokens * steps_since / elapsed
-            since, steps_since = time.perf_counter(), 0
-            per_rank_max = torch.tensor([max_memory_bytes(device), *state_bytes.values()], dtype=torch.float64,
-                                        device=device)  # NCCL reduces device tensors only
-            if dist.is_initialized():  # the largest rank is what has to fit
-                dist.all_reduce(per_rank_max, op=dist.ReduceOp.MAX)
-            memory = [int(v) for v in per_rank_max.tolist()]
-            logger.log({
-                "step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
-                "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
-                "mfu": tokens_per_sec * flops / (peak * world_size) if peak else None,
-                "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])),
-            })
-        every = c.checkpoint.every
-        if every and (step % every == 0 or step == t.steps):
-            layout = {**dims.sizes(), "zero_stage": c.parallel.zero_stage, "pp_schedule": c.parallel.pp_schedule}
-            checkpointer.save(step, state, {"samples_seen": sampler.samples_seen(step), "layout": layout,
-                                            "global_batch_size": t.global_batch_size}, config_yaml)
-    checkpointer.wait()
-    progress.close()
-    logger.close()
-    if t.save_model:
-        save_full_model(parts, meshes.pp, run_dir / "model.safetensors", is_rank0)
+        print_banner(c, setup, world_size, run_dir)
+    loop.run(start_step)
+    if c.train.save_model:
+        save_full_model(setup.parts, setup.meshes.pp, run_dir / "model.safetensors", is_rank0)
     return run_dir
+
+
+def load_corpus(data, is_rank0: bool):
+    """Rank 0 tokenizes the corpus (once, into the cache); the others then read its cache."""
+    if is_rank0:
+        corpus = open_corpus(data)
+    if dist.is_initialized():
+        dist.barrier()
+    return corpus if is_rank0 else open_corpus(data)
+
+
+def save_seed(checkpointer: Checkpointer, setup: Setup, config_yaml: str, is_rank0: bool) -> None:
+    """checkpoints/step_0: the initial weights, for every later layout to start from."""
+    checkpointer.save(0, TrainState(setup.parts), {"samples_seen": 0}, config_yaml)
+    checkpointer.wait()
+    if is_rank0:
+        print(f"parallel3d: seed checkpoint written to {checkpointer.root / 'step_0'}", flush=True)
+
+
+def print_banner(c: Config, setup: Setup, world_size: int, run_dir: Path) -> None:
+    with torch.device("meta"):  # the whole model's size, whatever part of it this rank holds
+        size = num_params(Transformer(c.model))
+    print(f"parallel3d | {c.recipe or 'custom'} | model {c.model.name} {size / 1e6:.2f}M params | "
+          f"{world_size} ranks {setup.dims.sizes()} zero_stage {c.parallel.zero_stage} | {setup.device.type} | "
+          f"run_dir {run_dir}", flush=True)
+
+
+class TrainLoop:
+    """The loop over optimizer steps. Extension points: ``step`` is one step's body (data in,
+    loss and gradient norm out); ``after_step`` holds what follows it (metrics, checkpoints), in
+    order. Work around the whole loop (signals, locks) wraps ``run``."""
+
+    def __init__(self, setup: Setup, sampler: StepSampler, checkpointer: Checkpointer, state: TrainState,
+                 progress: Progress, config_yaml: str, is_rank0: bool):
+        self.setup, self.sampler, self.checkpointer, self.state = setup, sampler, checkpointer, state
+        self.progress, self.config_yaml, self.is_rank0 = progress, config_yaml, is_rank0
+        self.logger: MetricsLogger | None = None
+        self.meter = StepMeter(setup)
+        self.after_step: list[Callable[[int, torch.Tensor, torch.Tensor, float], None]] = [
+            self.log_metrics, self.save_checkpoint]
+
+    def run(self, start_step: int) -> None:
+        steps = self.setup.config.train.steps
+        self.progress.start(steps, done=start_step)
+        for step in range(start_step + 1, steps + 1):
+            self.checkpointer.poll()
+            lr = self.setup.scheduler.get_last_lr()[0]
+            loss_sum, grad_norm = self.step(step)
+            self.progress.update(step)
+            for action in self.after_step:
+                action(step, loss_sum, grad_norm, lr)
+        self.checkpointer.wait()
+        self.progress.close()
+        if self.logger is not None:
+            self.logger.close()
+
+    def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum, grad_norm = train_step(self.setup, self.sampler.micro_batches(step))
+        self.meter.stepped()  # measures the model state while the gradients still exist
+        self.setup.model.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm
+
+    def log_metrics(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        c = self.setup.config
+        if step % c.logging.log_every and step != c.train.steps:
+            return
+        loss_value, norm_value = global_loss(self.setup.meshes, loss_sum), grad_norm.item()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            self.progress.close()  # end the bar's line before the error message
+            raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
+                                   f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
+        self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read()})
+
+    def save_checkpoint(self, step: int, *_) -> None:
+        c = self.setup.config
+        every = c.checkpoint.every
+        if every and (step % every == 0 or step == c.train.steps):
+            layout = {**self.setup.dims.sizes(), "zero_stage": c.parallel.zero_stage,
+                      "pp_schedule": c.parallel.pp_schedule}
+            self.checkpointer.save(step, self.state, {"samples_seen": self.sampler.samples_seen(step), "layout": layout,
+                                                      "global_batch_size": c.train.global_batch_size}, self.config_yaml)
+
+
+def global_loss(meshes, loss_sum: torch.Tensor) -> float:
+    """The step's loss over the global batch: the last pipeline stage's, averaged over dp."""
+    loss = loss_sum.clone()
+    if meshes.pp is not None:  # only the last stage computed a loss
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
+    if meshes.dp is not None:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=meshes.dp.get_group())
+    return loss.item()
+
+
+class StepMeter:
+    """Throughput, MFU and memory since the last read, the largest rank's memory over the world."""
+
+    def __init__(self, setup: Setup):
+        self.setup = setup
+        t = setup.config.train
+        self.global_tokens = t.global_batch_size * t.seq_len
+        self.flops = flops_per_token(setup.config.model, t.seq_len)
+        self.peak = peak_flops(setup.device, t.param_dtype)
+        self.state_bytes: dict[str, int] = {}
+        self.since, self.steps = time.perf_counter(), 0
+
+    def stepped(self) -> None:
+        if not self.state_bytes:  # the first step (of this process): the optimizer state now exists
+            self.state_bytes = model_state_bytes(self.setup.model, self.setup.optimizer)
+        self.steps += 1
+
+    def read(self) -> dict:
+        elapsed = time.perf_counter() - self.since
+        step_time, tokens_per_sec = elapsed / self.steps, self.global_tokens * self.steps / elapsed
+        self.since, self.steps = time.perf_counter(), 0
+        device = self.setup.device
+        per_rank_max = torch.tensor([max_memory_bytes(device), *self.state_bytes.values()], dtype=torch.float64,
+                                    device=device)  # NCCL reduces device tensors only
+        world_size = 1
+        if dist.is_initialized():  # the largest rank is what has to fit
+            dist.all_reduce(per_rank_max, op=dist.ReduceOp.MAX)
+            world_size = dist.get_world_size()
+        memory = [int(v) for v in per_rank_max.tolist()]
+        return {"tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
+                "mfu": tokens_per_sec * self.flops / (self.peak * world_size) if self.peak else None,
+                "max_memory_bytes": memory[0], **dict(zip(self.state_bytes, memory[1:]))}
 
 
 def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool) -> tuple[int, int]:
@@ -219,79 +259,6 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
     if c.checkpoint.init_from:
         checkpointer.load_weights(Path(c.checkpoint.init_from).expanduser(), state, c.model)
     return 0, 0
-
-
-def build_model(c: Config, meshes, device: torch.device, microbatches: int, loss_fn,
-                materialize: contextlib.AbstractContextManager | None = None):
-    """This rank's model, parallelized and initialized: the whole model, or its pipeline stages
-    (a ModuleList) with their schedule and, for tied embeddings, the link between the copies.
-    ``materialize``: the context the parameters get their memory in (the dry run's FakeTensorMode;
-    parallelizing must happen outside it, since DeviceMesh slicing computes on real tensors)."""
-    if meshes.pp is not None:  # this rank's pipeline stages, each a slice of the model on meta
-        staged = build_parts(c.model, c.parallel, meshes.pp.get_local_rank())
-    else:
-        with torch.device("meta"):
-            staged = [(0, Transformer(c.model))]
-    for _, part in staged:
-        parallelize(part, meshes, c.parallel, c.train)
-        with materialize or contextlib.nullcontext():
-            part.to_empty(device=device)
-            part.init_weights(c.train.seed)
-    if meshes.pp is None:
-        return staged[0][1], None, None
-    pipeline = build_schedule(staged, num_stages(c.parallel), c.parallel.pp_schedule, microbatches, loss_fn, device,
-                              meshes.pp.get_group())
-    tied = None
-    if c.model.tie_embeddings:  # the embedding on the first stage, its copy on the last
-        tied = TiedEmbeddings(pipeline.parts, meshes.world, c.parallel.pp_schedule in V_SCHEDULES)
-    return torch.nn.ModuleList(pipeline.parts), pipeline, tied
-
-
-def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, optimizer, scheduler,
-               micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over this rank's micro batches: forward and backward (through the pipeline
-    schedule under pp), the tied embeddings' gradient sum, global-norm clipping, optimizer and lr
-    steps. Returns (this rank's summed loss, the gradient norm); the gradients stay for the caller
-    to measure and zero. The dry run (parallel3d/dryrun.py) runs this same function on fake tensors."""
-    dp = 1 if meshes.dp is None else meshes.dp.size()
-    autocast = (torch.autocast(device.type, dtype=DTYPES[c.train.param_dtype])
-                if uses_autocast(dp, c.train.param_dtype) else contextlib.nullcontext())
-    # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
-    # backward are computed on the shards.
-    vocab_parallel = loss_parallel if meshes.tp is not None else contextlib.nullcontext
-    loss_sum = torch.zeros((), device=device)
-    if pipeline is None:
-        for i, (inputs, targets) in enumerate(micro_batches):
-            if meshes.dp is not None:  # the data-parallel wrapper reduces on the last micro batch only
-                set_gradient_sync(model, i == len(micro_batches) - 1, c.parallel.zero_stage)
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            with vocab_parallel():
-                with autocast:
-                    loss = loss_fn(model(inputs), targets)
-                loss.backward()
-            loss_sum += _local(loss.detach())
-    else:  # each schedule step runs pipeline.microbatches micro batches through all stages
-        for k in range(0, len(micro_batches), pipeline.microbatches):
-            chunk = micro_batches[k : k + pipeline.microbatches]
-            inputs = torch.cat([x for x, _ in chunk]).to(device, non_blocking=True)
-            targets = torch.cat([y for _, y in chunk]).to(device, non_blocking=True)
-            losses: list[torch.Tensor] = []  # filled on the rank holding the last stage only
-            # return_outputs=False: else the last stage keeps every microbatch's logits for step() to
-            # return (4 GiB on the 405B recipe), which nothing here reads.
-            with vocab_parallel(), autocast:
-                pipeline.schedule.step(*([inputs] if pipeline.has_first_stage else []), target=targets,
-                                       losses=losses, return_outputs=False)
-            for loss in losses:
-                loss_sum += _local(loss.detach())
-    params = [p for p in model.parameters() if p.requires_grad]
-    settle_gradients(params)
-    if tied is not None:
-        tied.sync_gradients()
-    grad_norm = clip_grad_norm_(params, c.train.grad_clip, pp_group=meshes.pp.get_group() if meshes.pp else None,
-                                uncounted=tied.output_copies if tied else ())
-    optimizer.step()
-    scheduler.step()
-    return loss_sum, grad_norm
 
 
 def output_dir_is_run_dir(argv: list[str]) -> list[str]:
@@ -315,10 +282,6 @@ def refuse_multirun_under_torchrun() -> None:
     if world_size_from_env() > 1 and HydraConfig.get().mode == RunMode.MULTIRUN:
         raise ConfigError("--multirun", "under torchrun", "Hydra runs a sweep inside one process",
                           "sweep with `parallel3d-run --nproc-per-node N --multirun ...` (one torchrun per job)")
-
-
-def _local(loss: torch.Tensor) -> torch.Tensor:
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")

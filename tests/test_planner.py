@@ -30,7 +30,7 @@ from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import model_state_bytes
 from parallel3d.models import Transformer
 from parallel3d.optim import build_optimizer
-from parallel3d.parallel import parallelize
+from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.activation import apply_activation_checkpointing
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts
 from parallel3d.parallel.tensor import apply_tensor_parallel
@@ -98,7 +98,7 @@ def measured_model_state(c, world: int, rank: int) -> dict[str, int]:
         meshes = build_mesh(ParallelDims.from_config(c.parallel), "cpu")
         parts = _build(c, meshes, meshes.pp.get_local_rank() if meshes.pp else 0)
         for part in parts:
-            parallelize(part, meshes, c.parallel, c.train)
+            parallelize(part, meshes, ParallelPlan.from_config(c))
             part.to_empty(device="cpu")
             part.init_weights(0)
         model = parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)

@@ -1,3 +1,3 @@
-from parallel3d.parallel.compose import parallelize
+from parallel3d.parallel.compose import ActivationPlan, ParallelPlan, parallelize
 
-__all__ = ["parallelize"]
+__all__ = ["ActivationPlan", "ParallelPlan", "parallelize"]

@@ -9,13 +9,41 @@ over the data-parallel mesh dims, giving 2D (or, with HSDP, 3D) parameters.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
+from parallel3d.base import DTYPES
 from parallel3d.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.tensor import apply_tensor_parallel
-from parallel3d.base import DTYPES
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    """What to recompute in backward (``model.activation_checkpoint`` and ``_every``)."""
+
+    mode: str = "none"  # none | full | selective | op (parallel.activation.AC_MODES)
+    every: int = 2  # selective: every Nth block
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Everything ``parallelize`` reads, typed: one object per consumer, built from the config."""
+
+    data: DataParallelPlan
+    sequence_parallel: bool = True
+    activation: ActivationPlan = ActivationPlan()
+    compile: bool = False  # torch.compile each transformer block
+
+    @classmethod
+    def from_config(cls, c) -> "ParallelPlan":
+        """From a validated config (the key names users know: model.activation_checkpoint ...)."""
+        m = c.model
+        return cls(data=data_parallel_plan(c.parallel, c.train), sequence_parallel=c.parallel.sequence_parallel,
+                   activation=ActivationPlan(m.activation_checkpoint, m.activation_checkpoint_every),
+                   compile=m.compile)
 
 
 def data_parallel_plan(parallel, train) -> DataParallelPlan:
@@ -31,13 +59,13 @@ def data_parallel_plan(parallel, train) -> DataParallelPlan:
     )
 
 
-def parallelize(model: nn.Module, meshes: Meshes, parallel, train) -> None:
-    """Apply every configured parallelism to ``model`` (the whole model, or one pipeline stage) in
-    place, in the order above. Activation checkpointing and compile read the model's own config."""
+def parallelize(model: nn.Module, meshes: Meshes, plan: ParallelPlan) -> None:
+    """Apply every parallelism of ``plan`` to ``model`` (the whole model, or one pipeline stage)
+    in place, in the order above."""
     if meshes.tp is not None:
-        apply_tensor_parallel(model, meshes.tp, parallel.sequence_parallel)
-    apply_activation_checkpointing(model, model.cfg.activation_checkpoint, model.cfg.activation_checkpoint_every)
-    if model.cfg.compile:
+        apply_tensor_parallel(model, meshes.tp, plan.sequence_parallel)
+    apply_activation_checkpointing(model, plan.activation.mode, plan.activation.every)
+    if plan.compile:
         compile_blocks(model)
     if meshes.dp is not None:
-        apply_data_parallel(model, meshes.dp, meshes.fsdp, data_parallel_plan(parallel, train))
+        apply_data_parallel(model, meshes.dp, meshes.fsdp, plan.data)

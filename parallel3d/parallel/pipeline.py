@@ -111,6 +111,24 @@ class Pipeline:
     def has_first_stage(self) -> bool:
         return any(stage.is_first for stage in self.stages)
 
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         device: torch.device) -> list[torch.Tensor]:
+        """Forward and backward of one optimizer step's micro batches through all stages, in
+        schedule steps of ``self.microbatches`` each (fewer than all: gradient accumulation).
+        Returns the detached micro-batch losses this rank computed (the last stage's rank only)."""
+        losses: list[torch.Tensor] = []
+        for k in range(0, len(micro_batches), self.microbatches):
+            chunk_losses: list[torch.Tensor] = []  # step() clears and refills it
+            chunk = micro_batches[k : k + self.microbatches]
+            inputs = torch.cat([x for x, _ in chunk]).to(device, non_blocking=True)
+            targets = torch.cat([y for _, y in chunk]).to(device, non_blocking=True)
+            # return_outputs=False: else the last stage keeps every microbatch's logits for step() to
+            # return (4 GiB on the 405B recipe), which nothing here reads.
+            self.schedule.step(*([inputs] if self.has_first_stage else []), target=targets, losses=chunk_losses,
+                               return_outputs=False)
+            losses += [loss.detach() for loss in chunk_losses]
+        return losses
+
 
 def num_stages(parallel) -> int:
     return parallel.pp * stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)

@@ -83,6 +83,29 @@ class EmbeddingDimSplit(ColwiseParallel):
         return out
 
 
+# The one table of tensor-parallel splits: for each layer, the dim of its weight that tp splits
+# (0: output features, column-parallel; 1: input features, row-parallel; None: replicated). The
+# plans below are built from it, and the planner (planner/layout.py) counts each rank's shard by it.
+BLOCK_SPLITS = {
+    "attention_norm": None,
+    "attention.wq": 0,
+    "attention.wk": 0,
+    "attention.wv": 0,
+    "attention.wo": 1,
+    "ffn_norm": None,
+    "feed_forward.w1": 0,
+    "feed_forward.w2": 1,
+    "feed_forward.w3": 0,
+}
+
+
+def outer_splits(tied: bool) -> dict[str, int | None]:
+    """The embedding, final norm and output projection's split dims (see ``outer_plan``): a tied
+    embedding is the output projection too, split over the vocabulary; an untied one over its dim."""
+    splits = {"tok_embeddings": 0 if tied else 1, "norm": None}
+    return splits if tied else splits | {"output": 0}
+
+
 def residual_layout(sequence_parallel: bool):
     """How the residual stream between blocks is laid out over the tp ranks."""
     return Shard(1) if sequence_parallel else Replicate()
@@ -90,15 +113,8 @@ def residual_layout(sequence_parallel: bool):
 
 def block_plan(sequence_parallel: bool) -> dict:
     residual = residual_layout(sequence_parallel)
-    plan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=residual),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-    }
+    plan = {name: ColwiseParallel() if dim == 0 else RowwiseParallel(output_layouts=residual)
+            for name, dim in BLOCK_SPLITS.items() if dim is not None}
     # attention and feed_forward take their input as one Replicate DTensor (gathered along the
     # sequence first under sequence parallelism; x of (x, cos, sin): the rotary tables are plain
     # tensors). Then the gradients that wq/wk/wv (w1/w3) return for it are summed as one Partial

@@ -16,6 +16,7 @@ from parallel3d.base import resolve_device
 from parallel3d.mesh import ParallelDims
 from parallel3d.parallel.data import uses_autocast
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
+from parallel3d.parallel.tensor import BLOCK_SPLITS, outer_splits
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Master weights, gradients and AdamW moments: the model is built in float32 and stays so;
@@ -154,36 +155,30 @@ class ParamSpec:
 
 
 def block_params(model: ModelShape, layer: int) -> list[ParamSpec]:
-    """A transformer block's parameters with the splits of ``parallel.tensor.block_plan``:
+    """A transformer block's parameters with the splits of ``parallel.tensor.BLOCK_SPLITS``:
     column-parallel wq wk wv w1 w3 split their output features (dim 0 of the weight), row-parallel
     wo w2 their input features (dim 1); the norms are replicated."""
     D, F, q, kv = model.dim, model.ffn_dim, model.n_heads * model.head_dim, model.kv_dim
-    p = f"layers.{layer}."
-    return [
-        ParamSpec(p + "attention_norm.weight", (D,), None),
-        ParamSpec(p + "attention.wq.weight", (q, D), 0),
-        ParamSpec(p + "attention.wk.weight", (kv, D), 0),
-        ParamSpec(p + "attention.wv.weight", (kv, D), 0),
-        ParamSpec(p + "attention.wo.weight", (D, q), 1),
-        ParamSpec(p + "ffn_norm.weight", (D,), None),
-        ParamSpec(p + "feed_forward.w1.weight", (F, D), 0),
-        ParamSpec(p + "feed_forward.w2.weight", (D, F), 1),
-        ParamSpec(p + "feed_forward.w3.weight", (F, D), 0),
-    ]
+    shapes = {"attention_norm": (D,), "attention.wq": (q, D), "attention.wk": (kv, D), "attention.wv": (kv, D),
+              "attention.wo": (D, q), "ffn_norm": (D,), "feed_forward.w1": (F, D), "feed_forward.w2": (D, F),
+              "feed_forward.w3": (F, D)}
+    return [ParamSpec(f"layers.{layer}.{name}.weight", shapes[name], dim) for name, dim in BLOCK_SPLITS.items()]
 
 
 def embedding_param(model: ModelShape) -> ParamSpec:
     """Split over the vocabulary when tied (it is the output projection too), else over its dim
     (``parallel.tensor.outer_plan``)."""
-    return ParamSpec("tok_embeddings.weight", (model.vocab_size, model.dim), 0 if model.tie_embeddings else 1)
+    return ParamSpec("tok_embeddings.weight", (model.vocab_size, model.dim),
+                     outer_splits(model.tie_embeddings)["tok_embeddings"])
 
 
 def head_params(model: ModelShape, holds_embedding: bool) -> list[ParamSpec]:
     """The last stage's norm and output projection. A tied model projects with the embedding:
     one matrix when the stage embeds too, else the stage's own copy of it."""
-    norm = ParamSpec("norm.weight", (model.dim,), None)
+    splits = outer_splits(model.tie_embeddings)
+    norm = ParamSpec("norm.weight", (model.dim,), splits["norm"])
     if not model.tie_embeddings:
-        return [norm, ParamSpec("output.weight", (model.vocab_size, model.dim), 0)]
+        return [norm, ParamSpec("output.weight", (model.vocab_size, model.dim), splits["output"])]
     return [norm] if holds_embedding else [norm, embedding_param(model)]
 
 

@@ -1,0 +1,160 @@
+"""One rank's training state, built one way for ``train()`` and for the dry run, and the step.
+
+``build_setup`` goes from a validated config and a device to a :class:`Setup`: the meshes, the
+model (whole, or this rank's pipeline stages with their schedule), the tied-embedding link, the
+optimizer, the lr scheduler and the loss. ``train_step(setup, micro_batches)`` runs one
+optimizer step on it. ``train.train`` feeds it real batches; ``dryrun.run_rank`` builds the same
+Setup inside FakeTensorMode and runs the same step on fake ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from parallel3d.base import DTYPES
+from parallel3d.config import Config
+from parallel3d.data import BatchSpec
+from parallel3d.mesh import Meshes, ParallelDims, build_mesh
+from parallel3d.models import Transformer
+from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
+from parallel3d.parallel import ParallelPlan, parallelize
+from parallel3d.parallel.data import set_gradient_sync, uses_autocast
+from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
+
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Setup:
+    """Everything one optimizer step reads, for this rank."""
+
+    config: Config
+    device: torch.device
+    dims: ParallelDims
+    meshes: Meshes
+    spec: BatchSpec  # this rank's share of the global batch
+    model: nn.Module  # the whole model, or a ModuleList of this rank's pipeline stages
+    pipeline: Optional[Pipeline]
+    tied: Optional[TiedEmbeddings]  # the embedding's copy on the last stage, under pp with tied embeddings
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        """The modules a checkpoint saves: the model, or each pipeline stage."""
+        return [self.model] if self.pipeline is None else self.pipeline.parts
+
+
+def token_loss_fn(tokens_per_rank: int, compile: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Summed cross entropy over ``tokens_per_rank``: summed over ranks and micro batches, it is
+    the mean over the global batch's tokens, whatever the layout."""
+
+    def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
+
+    # Compiled, the float32 upcast fuses into the loss: no float32 copy of the vocabulary-wide logits.
+    return torch.compile(token_loss) if compile else token_loss
+
+
+def build_setup(c: Config, device: torch.device,
+                materialize: contextlib.AbstractContextManager | None = None) -> Setup:
+    """Meshes, parallelized model, optimizer and scheduler for this rank of a validated config.
+    ``materialize``: the context parameters and optimizer state get their memory in (the dry
+    run's FakeTensorMode); None: real memory on ``device``."""
+    t = c.train
+    dims = ParallelDims.from_config(c.parallel)
+    meshes = build_mesh(dims, device.type)
+    spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
+    loss_fn = token_loss_fn(spec.local_batch_size * t.seq_len, c.model.compile)
+    microbatches = c.parallel.pp_microbatches or spec.num_micro_batches
+    model, pipeline, tied = build_model(c, meshes, device, microbatches, loss_fn, materialize)
+    with materialize or contextlib.nullcontext():
+        optimizer = build_optimizer(model, c.optim)
+        scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
+    return Setup(c, device, dims, meshes, spec, model, pipeline, tied, optimizer, scheduler, loss_fn)
+
+
+def build_model(c: Config, meshes: Meshes, device: torch.device, microbatches: int, loss_fn,
+                materialize: contextlib.AbstractContextManager | None = None):
+    """This rank's model, parallelized and initialized: the whole model, or its pipeline stages
+    (a ModuleList) with their schedule and, for tied embeddings, the link between the copies.
+    Parallelizing happens outside ``materialize``: DeviceMesh slicing computes on real tensors."""
+    if meshes.pp is not None:  # this rank's pipeline stages, each a slice of the model on meta
+        staged = build_parts(c.model, c.parallel, meshes.pp.get_local_rank())
+    else:
+        with torch.device("meta"):
+            staged = [(0, Transformer(c.model))]
+    plan = ParallelPlan.from_config(c)
+    for _, part in staged:
+        parallelize(part, meshes, plan)
+        with materialize or contextlib.nullcontext():
+            part.to_empty(device=device)
+            part.init_weights(c.train.seed)
+    if meshes.pp is None:
+        return staged[0][1], None, None
+    pipeline = build_schedule(staged, num_stages(c.parallel), c.parallel.pp_schedule, microbatches, loss_fn, device,
+                              meshes.pp.get_group())
+    tied = None
+    if c.model.tie_embeddings:  # the embedding on the first stage, its copy on the last
+        tied = TiedEmbeddings(pipeline.parts, meshes.world, c.parallel.pp_schedule in V_SCHEDULES)
+    return torch.nn.ModuleList(pipeline.parts), pipeline, tied
+
+
+def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over this rank's micro batches: forward and backward (through the pipeline
+    schedule under pp), the tied embeddings' gradient sum, global-norm clipping, optimizer and lr
+    steps. Returns (this rank's summed loss, the gradient norm); the gradients stay for the caller
+    to measure and zero."""
+    s, c = setup, setup.config
+    # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
+    # backward are computed on the shards.
+    vocab_parallel = loss_parallel() if s.meshes.tp is not None else contextlib.nullcontext()
+    with vocab_parallel:
+        if s.pipeline is None:
+            losses = _forward_backward(s, micro_batches)
+        else:  # the schedule runs backward inside step(): autocast spans both
+            with _autocast(s):
+                losses = s.pipeline.forward_backward(micro_batches, s.device)
+    loss_sum = torch.zeros((), device=s.device)
+    for loss in losses:
+        loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
+    params = [p for p in s.model.parameters() if p.requires_grad]
+    settle_gradients(params)
+    if s.tied is not None:
+        s.tied.sync_gradients()
+    grad_norm = clip_grad_norm_(params, c.train.grad_clip, uncounted=s.tied.output_copies if s.tied else (),
+                                pp_group=s.meshes.pp.get_group() if s.meshes.pp is not None else None)
+    s.optimizer.step()
+    s.scheduler.step()
+    return loss_sum, grad_norm
+
+
+def _autocast(s: Setup) -> contextlib.AbstractContextManager:
+    """The bf16/fp16 compute context where the layout casts per op (``parallel.data.uses_autocast``)."""
+    dtype = s.config.train.param_dtype
+    if uses_autocast(s.dims.dp, dtype):
+        return torch.autocast(s.device.type, dtype=DTYPES[dtype])
+    return contextlib.nullcontext()
+
+
+def _forward_backward(s: Setup, micro_batches: MicroBatches) -> list[torch.Tensor]:
+    """Without pipeline parallelism: each micro batch forward and backward, gradients accumulating."""
+    losses = []
+    for i, (inputs, targets) in enumerate(micro_batches):
+        if s.meshes.dp is not None:  # the data-parallel wrapper reduces on the last micro batch only
+            set_gradient_sync(s.model, i == len(micro_batches) - 1, s.config.parallel.zero_stage)
+        inputs, targets = inputs.to(s.device, non_blocking=True), targets.to(s.device, non_blocking=True)
+        with _autocast(s):
+            loss = s.loss_fn(s.model(inputs), targets)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
