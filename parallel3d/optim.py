@@ -39,8 +39,8 @@ def decay_groups(model: nn.Module, weight_decay: float, no_decay) -> list[dict]:
 
 def implementation_flags(implementation: str, params) -> dict:
     """AdamW's keyword for ``optim.implementation``. ``auto`` is fused wherever torch has the kernel
-    (CUDA and CPU among others): one kernel for all tensors, 3.6-12x faster than the for-loop and
-    foreach updates on our CPU (BENCHMARKS.md), and its step counters stay on the device, so the update
+    (CUDA and CPU among others): one kernel for all tensors, faster than the for-loop and
+    foreach updates (BENCHMARKS.md has the figures), and its step counters stay on the device, so the update
     reads nothing back to the host (torch's own default, foreach on CUDA, reads them there)."""
     if implementation == "auto":
         fused = {d.type for d in (p.device for p in params)} <= set(_get_fused_kernels_supported_devices())

@@ -241,7 +241,7 @@ def _stage_activations(c, meshes, pp_rank: int, mode: str, dtype: torch.dtype) -
     apply_activation_checkpointing(part, mode, c.model.activation_checkpoint_every)
     part.to_empty(device="cpu")
     part.init_weights(0)
-    # As train.train_step computes: with data parallelism FSDP's mixed-precision policy casts the
+    # As setup.train_step computes: with data parallelism FSDP's mixed-precision policy casts the
     # parameters; without it autocast casts per op, and the residual stream stays float32.
     autocast = meshes.dp is None and dtype != torch.float32
     if not autocast:

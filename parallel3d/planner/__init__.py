@@ -18,14 +18,13 @@ What is exact and what is a model:
   (``planner/activations.py``); exact against CPU kernels in float32 and bfloat16 (FSDP's mixed
   precision and autocast) for every checkpointing mode, with and without tensor/sequence
   parallelism, on every pipeline stage. On CUDA it counts the fused RMSNorm and cuDNN attention,
-  eager kernels (compiled blocks keep less): one-GPU peaks on an H100 within 1.2% (BENCHMARKS.md).
+  eager kernels (compiled blocks keep less); BENCHMARKS.md compares it with one-GPU peaks.
 * Activations in flight (``activation_bytes``): replays torch's own schedule order.
 * ``peak_bytes``: model state + activations + FSDP's gathered parameters and unsharded gradients
   (under pipelining replayed in the schedule's order: a stage's gradients exist from its first
   backward to its last), the pipeline's receive buffers, and an estimate of what comes and goes
-  (the loss's backward, the block in backward). Not exact; within 1.2% of the dry run's measured
-  peak for 8B, 70B and 405B layouts (CPU kernels), within 10% for every layout of an 8B-shaped
-  4-block model in tests/test_dryrun.py.
+  (the loss's backward, the block in backward). Not exact: tests/test_dryrun.py bounds its error
+  against the dry run's measured peak, and BENCHMARKS.md reports it for 8B, 70B and 405B layouts.
 * ``comm_bytes``: ring-algorithm bytes per rank per optimizer step (``planner/comm.py`` states the
   convention); bubbles: textbook formulas, checked against torch's schedules.
 * ``step_time``: FLOPs at a fixed efficiency of peak, plus the bubble and the communication that
