@@ -106,12 +106,11 @@ def train(cfg: DictConfig) -> Path:
     if c.checkpoint.create_seed:
         save_seed(checkpointer, setup, config_yaml, is_rank0)
         return run_dir
-    loop = TrainLoop(setup, StepSampler(load_corpus(c.data, is_rank0).tokens, setup.spec, c.train.seed,
-                                        offset=data_offset),
-                     checkpointer, state, progress, config_yaml, is_rank0)
+    sampler = StepSampler(load_corpus(c.data, is_rank0).tokens, setup.spec, c.train.seed, offset=data_offset)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
-    loop.logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress)
+    logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress)
+    loop = TrainLoop(setup, sampler, checkpointer, state, logger, progress, config_yaml)
     if is_rank0:
         print_banner(c, setup, world_size, run_dir)
     loop.run(start_step)
@@ -151,10 +150,9 @@ class TrainLoop:
     order. Work around the whole loop (signals, locks) wraps ``run``."""
 
     def __init__(self, setup: Setup, sampler: StepSampler, checkpointer: Checkpointer, state: TrainState,
-                 progress: Progress, config_yaml: str, is_rank0: bool):
+                 logger: MetricsLogger, progress: Progress, config_yaml: str):
         self.setup, self.sampler, self.checkpointer, self.state = setup, sampler, checkpointer, state
-        self.progress, self.config_yaml, self.is_rank0 = progress, config_yaml, is_rank0
-        self.logger: MetricsLogger | None = None
+        self.logger, self.progress, self.config_yaml = logger, progress, config_yaml
         self.meter = StepMeter(setup)
         self.after_step: list[Callable[[int, torch.Tensor, torch.Tensor, float], None]] = [
             self.log_metrics, self.save_checkpoint]
@@ -171,8 +169,7 @@ class TrainLoop:
                 action(step, loss_sum, grad_norm, lr)
         self.checkpointer.wait()
         self.progress.close()
-        if self.logger is not None:
-            self.logger.close()
+        self.logger.close()
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         loss_sum, grad_norm = train_step(self.setup, self.sampler.micro_batches(step))
