@@ -14,7 +14,6 @@ import contextlib
 import math
 import os
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
+from parallel3d.faults import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, report_failure
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
@@ -38,20 +38,14 @@ from parallel3d.parallel import parallelize
 from parallel3d.parallel.data import set_gradient_sync, uses_autocast
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts, build_schedule, num_stages
 from parallel3d.progress import Progress
+from parallel3d.resume import check_not_past_end, pick_checkpoint, report_changes
+from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
+                               shared_run_dir)
 from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
 
 
 class TrainingDiverged(RuntimeError):
     pass
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def rank0_dir(path: str) -> str:
-    """Hydra's output dir on rank 0; a scratch dir on other ranks (rank 0 shares its run_dir)."""
-    return path if rank() == 0 else os.path.join(tempfile.gettempdir(), f"parallel3d-rank{rank()}")
 
 
 def init_distributed(train, world_size: int) -> torch.device:
@@ -77,17 +71,6 @@ def warn_about_restarts() -> None:
               "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun", file=sys.stderr, flush=True)
 
 
-def shared_run_dir(run_dir: str) -> Path:
-    """Every rank writes under rank 0's run_dir (ranks may disagree on Hydra's timestamp)."""
-    if dist.is_initialized():
-        box = [run_dir]
-        dist.broadcast_object_list(box, src=0)
-        run_dir = box[0]
-    path = Path(run_dir).expanduser().resolve()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def train(cfg: DictConfig) -> Path:
     """Train as ``cfg`` says; returns the run directory. Raises ConfigError before any process group."""
     world_size = world_size_from_env()
@@ -99,6 +82,7 @@ def train(cfg: DictConfig) -> Path:
         warn_about_restarts()
     run_dir = shared_run_dir(str(cfg.run_dir))
     cfg.run_dir = str(run_dir)
+    own_run_dir(run_dir, fresh_start=cfg.checkpoint.resume == "none")  # released by _hydra_main
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     if is_rank0:
         (run_dir / "config.yaml").write_text(config_yaml)
@@ -125,7 +109,7 @@ def train(cfg: DictConfig) -> Path:
     progress = Progress(enabled=is_rank0)  # bars on a terminal, plain lines otherwise
     checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=t.dist_timeout_s), progress=progress)
     state = TrainState(parts, optimizer, scheduler)
-    start_step, data_offset = restore(checkpointer, state, c, is_rank0)
+    start_step, data_offset = restore(checkpointer, state, c, is_rank0, config_yaml)
     if c.checkpoint.create_seed:  # the initial weights, for every later layout to start from
         checkpointer.save(0, TrainState(parts), {"samples_seen": 0}, config_yaml)
         checkpointer.wait()
@@ -154,6 +138,7 @@ def train(cfg: DictConfig) -> Path:
               f"run_dir {run_dir}", flush=True)
 
     progress.start(t.steps, done=start_step)
+    stop = StopSignals(checkpointer.root, checkpointer.group, verbose=is_rank0).install()
     state_bytes: dict[str, int] = {}
     since, steps_since = time.perf_counter(), 0
     for step in range(start_step + 1, t.steps + 1):
@@ -192,11 +177,17 @@ def train(cfg: DictConfig) -> Path:
                 "mfu": tokens_per_sec * flops / (peak * world_size) if peak else None,
                 "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])),
             })
+        stopping = stop.should_stop(step)  # every rank agrees (one tiny all_reduce per step)
         every = c.checkpoint.every
-        if every and (step % every == 0 or step == t.steps):
+        if stopping or (every and (step % every == 0 or step == t.steps)):
             layout = {**dims.sizes(), "zero_stage": c.parallel.zero_stage, "pp_schedule": c.parallel.pp_schedule}
             checkpointer.save(step, state, {"samples_seen": sampler.samples_seen(step), "layout": layout,
                                             "global_batch_size": t.global_batch_size}, config_yaml)
+        if stopping:
+            checkpointer.wait()
+            progress.close()
+            raise Stopped(step, checkpointer.root / f"step_{step}", stop.received)
+    stop.restore()
     checkpointer.wait()
     progress.close()
     logger.close()
@@ -205,14 +196,22 @@ def train(cfg: DictConfig) -> Path:
     return run_dir
 
 
-def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool) -> tuple[int, int]:
+def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool,
+            config_yaml: str) -> tuple[int, int]:
     """Resume (or load initial weights) as checkpoint.* says: the step done, and the data offset."""
-    checkpointer.remove_incomplete()
-    path = checkpointer.resume_from()
+    for path in checkpointer.remove_incomplete():
+        print(f"parallel3d: removed incomplete checkpoint {path} (a save that did not finish)", flush=True)
+    path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=is_rank0)
     if path is not None:
+        step = check_not_past_end(path, c.train.steps)
+        if is_rank0:
+            report_changes(path, config_yaml)
         meta = checkpointer.load(path, state)
         if is_rank0:
             print(f"parallel3d: resumed from {path} (saved at {meta['layout']})", flush=True)
+            if step == c.train.steps:
+                print(f"parallel3d: {path.name} is at train.steps={step}: the run is complete, nothing to train "
+                      f"(raise train.steps to continue it)", flush=True)
         if meta["model_only"]:  # a seed checkpoint: its weights, then a fresh start
             return 0, 0
         return meta["step"], meta["samples_seen"] - meta["step"] * c.train.global_batch_size
@@ -294,18 +293,6 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
     return loss_sum, grad_norm
 
 
-def output_dir_is_run_dir(argv: list[str]) -> list[str]:
-    """With a literal ``run_dir=PATH`` and no ``hydra.run.dir``, make PATH Hydra's output dir as
-    well: Hydra creates its run dir whatever run_dir says, leaving empty outputs/DATE/TIME folders."""
-    from parallel3d.launch.run import run_dir_override
-    from parallel3d.launch.sweep import MULTIRUN_FLAGS, key_of
-
-    given = [a.split("=", 1)[1] for a in argv[1:] if key_of(a) == "run_dir"]
-    if not given or "${" in given[-1] or any(key_of(a) == "hydra.run.dir" or a in MULTIRUN_FLAGS for a in argv):
-        return argv
-    return [*argv, run_dir_override(given[-1])]
-
-
 def refuse_multirun_under_torchrun() -> None:
     """Hydra's --multirun runs every job in the process that parsed it: one process, not a
     torchrun group (each rank would sweep on its own, re-forming its process group per job)."""
@@ -333,17 +320,36 @@ def _hydra_main(cfg: DictConfig) -> None:
         else:  # torchrun kills the other ranks when one exits: let rank 0 say why first
             time.sleep(2)
         sys.exit(2 if isinstance(e, ConfigError) else 3)
+    except Stopped as e:
+        if rank() == 0:
+            print(f"parallel3d: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_REQUEUE)
+    except KeyboardInterrupt:  # a second Ctrl-C
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:  # one line here, the traceback in run_dir/logs (faults.py)
+        report_failure(e, _known_run_dir(cfg), rank())
+        if rank() != 0:
+            time.sleep(2)
+        sys.exit(EXIT_FAILED)
     else:
         if dist.is_initialized():
             dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
+        release_run_dir(_known_run_dir(cfg))
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _known_run_dir(cfg: DictConfig) -> str | None:
+    try:
+        return str(cfg.run_dir)
+    except Exception:  # an interpolation that cannot resolve: no run_dir to write to
+        return None
+
+
 def main() -> None:
     register_configs()
-    OmegaConf.register_new_resolver("p3d.rank0_dir", rank0_dir, replace=True)
+    register_rank0_dir()
     sys.argv = output_dir_is_run_dir(sys.argv)
     _hydra_main()
     if world_size_from_env() > 1:

@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 from parallel3d.launch import sweep
+from parallel3d.rundir import given_run_dir, hydra_run_dir, run_dir_override
 
 EXIT_CONFIG_ERROR = 2
 
@@ -134,42 +135,10 @@ def pin_run_dir(overrides: list[str]) -> list[str]:
     The pinned path keeps conf/config.yaml's ``p3d.rank0_dir`` wrapper: ranks other than 0 still
     make no folder of their own (other nodes' launchers may have read another second).
     """
-    if any(sweep.key_of(o) == "run_dir" for o in overrides):
+    if given_run_dir(overrides) is not None:
         return overrides
     return [*(o for o in overrides if sweep.key_of(o) != "hydra.run.dir"), run_dir_override(hydra_run_dir(overrides))]
 
-
-def run_dir_override(path: str | os.PathLike) -> str:
-    """The override that makes ``path`` the run's output dir (and so its run_dir) on rank 0."""
-    path = os.path.abspath(path)
-    quoted = path.replace("\\", "\\\\").replace("'", "\\'")  # an OmegaConf quoted string: any path
-    return f"hydra.run.dir=${{p3d.rank0_dir:'{quoted}'}}"
-
-
-def register_rank0_dir() -> None:
-    from omegaconf import OmegaConf
-
-    from parallel3d.train import rank0_dir
-
-    if not OmegaConf.has_resolver("p3d.rank0_dir"):
-        OmegaConf.register_new_resolver("p3d.rank0_dir", rank0_dir)
-
-
-def hydra_run_dir(overrides: list[str]) -> str:
-    """``hydra.run.dir`` as rank 0 of a run started now with these overrides would resolve it."""
-    return str(hydra_settings(overrides).run.dir)
-
-
-def hydra_settings(overrides: list[str]):
-    """The ``hydra`` node of the config these overrides compose, resolved now (timestamps included)."""
-    from hydra import compose, initialize_config_dir
-
-    from parallel3d.config import CONF_DIR, register_configs
-
-    register_configs()
-    register_rank0_dir()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra
 
 if __name__ == "__main__":
     main()

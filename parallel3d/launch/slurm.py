@@ -31,6 +31,7 @@ from pathlib import Path
 
 from parallel3d.launch import sweep
 from parallel3d.launch.run import EXIT_CONFIG_ERROR, exit_if_invalid, hydra_run_dir, pin_run_dir
+from parallel3d.rundir import given_run_dir
 
 TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # sbatch --time: [D-]HH[:MM[:SS]] or minutes
 
@@ -100,7 +101,7 @@ def prepare(overrides: list[str], run_dir: Path | None) -> tuple[Path, str]:
     from parallel3d.config import compose
 
     cfg = compose(overrides)
-    run_dir = run_dir or Path(os.path.abspath(_given_run_dir(overrides) or hydra_run_dir(overrides)))
+    run_dir = run_dir or Path(os.path.abspath(given_run_dir(overrides) or hydra_run_dir(overrides)))
     overrides = [o for o in overrides if sweep.key_of(o) != "run_dir"] + [f"run_dir={run_dir}"]
     job_name = cfg.slurm.job_name or cfg.recipe or "parallel3d"
     text = render(cfg.slurm, pin_run_dir(overrides), run_dir, job_name, Path.cwd())
@@ -160,11 +161,6 @@ def main(argv: list[str] | None = None) -> None:
         job_id = submit(script)
         print(f"parallel3d: submitted job {job_id}{' ' + job.label if multirun else ''}, "
               f"log {script.parent / (job_id + '.out')}")
-
-
-def _given_run_dir(overrides: list[str]) -> str | None:
-    given = [o.split("=", 1)[1] for o in overrides if sweep.key_of(o) == "run_dir"]
-    return given[-1] if given else None
 
 
 if __name__ == "__main__":
