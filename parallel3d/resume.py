@@ -123,3 +123,20 @@ def report_changes(path: Path, current_yaml: str) -> None:
     if changes:
         print(f"parallel3d: resuming {path.name} with a changed config (it applies from the next step): "
               f"{', '.join(changes)}", flush=True)
+
+
+def check_hf_weights(path: Path) -> None:
+    """Every safetensors file a Hugging Face folder's index names is there and whole."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise RunError(f"{index} is corrupt ({type(e).__name__}). Fix: download the model again") from e
+    else:
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    for name in names:
+        shard = path / name
+        problem = "is missing" if not shard.is_file() else safetensors_problem(shard)
+        if problem:
+            raise RunError(f"checkpoint.init_from={path}: {shard} {problem}. Fix: download the model again")

@@ -26,10 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from parallel3d import hf
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
-from parallel3d.faults import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, report_failure
+from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, check_corpus,
+                              report_failure)
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
@@ -38,9 +40,10 @@ from parallel3d.parallel import parallelize
 from parallel3d.parallel.data import set_gradient_sync, uses_autocast
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts, build_schedule, num_stages
 from parallel3d.progress import Progress
-from parallel3d.resume import check_not_past_end, pick_checkpoint, report_changes
+from parallel3d.resume import check_hf_weights, check_not_past_end, pick_checkpoint, report_changes
 from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
                                shared_run_dir)
+from parallel3d.strictconfig import RecipeError
 from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
 
 
@@ -123,6 +126,7 @@ def train(cfg: DictConfig) -> Path:
         dist.barrier()
     if not is_rank0:
         corpus = open_corpus(c.data)
+    check_corpus(corpus, c.model.vocab_size, t.seq_len, c.data)
     sampler = StepSampler(corpus.tokens, spec, t.seed, offset=data_offset)
 
     flops = flops_per_token(c.model, t.seq_len)
@@ -216,6 +220,8 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
             return 0, 0
         return meta["step"], meta["samples_seen"] - meta["step"] * c.train.global_batch_size
     if c.checkpoint.init_from:
+        if hf.is_hf_dir(Path(c.checkpoint.init_from).expanduser()):
+            check_hf_weights(Path(c.checkpoint.init_from).expanduser())
         checkpointer.load_weights(Path(c.checkpoint.init_from).expanduser(), state, c.model)
     return 0, 0
 
@@ -348,7 +354,11 @@ def _known_run_dir(cfg: DictConfig) -> str | None:
 
 
 def main() -> None:
-    register_configs()
+    try:
+        register_configs(sys.argv[1:])
+    except RecipeError as e:
+        print(f"parallel3d: config error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     register_rank0_dir()
     sys.argv = output_dir_is_run_dir(sys.argv)
     _hydra_main()

@@ -2,6 +2,7 @@
 
     parallel3d-run [torchrun options] [recipe=NAME] [key=value ...]
     parallel3d-run [torchrun options] --multirun [key=a,b ...]     # one torchrun per combination
+    parallel3d-run --recipes-dir DIR [torchrun options] recipe=NAME  # a recipe file kept in DIR
 
 Under plain torchrun every rank would print the same config error and torchrun would add a
 traceback of its own. This checks the config in one process first, for the world size that the
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return
+    argv = take_recipes_dir(argv)
     multirun = any(a in sweep.MULTIRUN_FLAGS for a in argv)
     overrides, torchrun_args = split_args([a for a in argv if a not in sweep.MULTIRUN_FLAGS])
     try:
@@ -94,6 +96,25 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
+def take_recipes_dir(argv: list[str]) -> list[str]:
+    """``--recipes-dir DIR`` (or ``=DIR``, repeatable): recipes outside the repo, for this process
+    and, through PARALLEL3D_RECIPES, every worker torchrun starts. The rest of argv is returned."""
+    from parallel3d.strictconfig import RECIPES_ENV
+
+    dirs, rest, args = [], [], iter(argv)
+    for arg in args:
+        if arg == "--recipes-dir":
+            dirs.append(next(args, ""))
+        elif arg.startswith("--recipes-dir="):
+            dirs.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    if dirs:
+        known = [p for p in os.environ.get(RECIPES_ENV, "").split(os.pathsep) if p]
+        os.environ[RECIPES_ENV] = os.pathsep.join([*(os.path.abspath(d) for d in dirs), *known])
+    return rest
+
+
 def torchrun_command(torchrun_args: list[str], overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "parallel3d.train", *overrides]
 
@@ -115,6 +136,7 @@ def first_config_error(overrides: list[str], sizes: list[int], device: str | Non
     from omegaconf.errors import OmegaConfBaseException
 
     from parallel3d.config import compose
+    from parallel3d.strictconfig import RecipeError
     from parallel3d.validate import ConfigError, check
 
     for world_size in sizes:
@@ -122,9 +144,18 @@ def first_config_error(overrides: list[str], sizes: list[int], device: str | Non
             check(compose(overrides), world_size, device)
         except ConfigError as e:
             return f"{e} (world size {world_size})" if len(sizes) > 1 else str(e)
-        except (HydraException, OmegaConfBaseException) as e:
-            return " ".join(str(e).split("\n")[:2]).strip()
+        except (HydraException, OmegaConfBaseException, RecipeError) as e:
+            return hydra_reason(e)
     return None
+
+
+def hydra_reason(error: Exception) -> str:
+    """Hydra's whole message on one line (its first line alone often lacks the reason)."""
+    reason = " ".join(" ".join(line.split()) for line in str(error).splitlines() if line.strip())
+    cause = error.__cause__
+    if cause is not None and str(cause).strip() and str(cause).split()[0] not in reason:
+        reason += f" ({' '.join(str(cause).split())})"
+    return reason
 
 
 def pin_run_dir(overrides: list[str]) -> list[str]:
