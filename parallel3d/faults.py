@@ -52,6 +52,18 @@ def log_path(run_dir: str | os.PathLike | None, rank: int) -> Path:
     return Path(os.devnull)
 
 
+def warnings_to_log(path: Path) -> None:
+    """Send this process's Python warnings to ``path`` instead of the console. Ranks other than 0
+    call it: a warning every rank raises is then printed once, by rank 0, and none is lost."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        with open(path, "a") as f:
+            f.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = show
+
+
 def one_line(error: BaseException) -> str:
     """The message of ``error`` on one line; named by its type unless it is one of ours."""
     text = " ".join(str(error).split())

@@ -76,6 +76,15 @@ def output_dir_is_run_dir(argv: list[str]) -> list[str]:
     return [*argv, run_dir_override(given)]
 
 
+def unwritable_run_dir(argv: list[str]) -> str | None:
+    """Rank 0's one-line problem with a literal ``run_dir=`` it cannot write, or None. Checked
+    before Hydra starts: Hydra creates its output dir first and would fail with a traceback."""
+    given = given_run_dir(argv[1:])
+    if rank() != 0 or given is None or "${" in given:
+        return None
+    return _make_writable(Path(given).expanduser())
+
+
 def shared_run_dir(run_dir: str) -> Path:
     """Every rank writes under rank 0's run_dir (ranks may disagree on Hydra's timestamp).
     Rank 0 creates it; an unwritable folder is one RunDirError on every rank."""

@@ -31,7 +31,7 @@ from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, check_corpus,
-                              report_failure)
+                              log_path, report_failure, warnings_to_log)
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
@@ -42,7 +42,7 @@ from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_part
 from parallel3d.progress import Progress
 from parallel3d.resume import check_hf_weights, check_not_past_end, pick_checkpoint, report_changes
 from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
-                               shared_run_dir)
+                               shared_run_dir, unwritable_run_dir)
 from parallel3d.strictconfig import RecipeError
 from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
 
@@ -86,6 +86,8 @@ def train(cfg: DictConfig) -> Path:
     run_dir = shared_run_dir(str(cfg.run_dir))
     cfg.run_dir = str(run_dir)
     own_run_dir(run_dir, fresh_start=cfg.checkpoint.resume == "none")  # released by _hydra_main
+    if not is_rank0:  # rank 0 shows each warning once; the others' go to run_dir/logs/rank<N>.log
+        warnings_to_log(log_path(run_dir, rank()))
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     if is_rank0:
         (run_dir / "config.yaml").write_text(config_yaml)
@@ -360,6 +362,10 @@ def main() -> None:
         print(f"parallel3d: config error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     register_rank0_dir()
+    problem = unwritable_run_dir(sys.argv)
+    if problem:
+        print(f"parallel3d: error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILED)
     sys.argv = output_dir_is_run_dir(sys.argv)
     _hydra_main()
     if world_size_from_env() > 1:
