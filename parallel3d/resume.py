@@ -74,14 +74,18 @@ def pick_checkpoint(root: Path, resume: str, announce: bool) -> Path | None:
         if problem:
             raise RunError(f"checkpoint.resume={resume}: {problem}. Fix: name an earlier checkpoint")
         return path
+    problems = []
     for step in reversed(complete_steps(root)):
         path = root / f"step_{step}"
-        problem = checkpoint_problem(path)
-        if problem is None:
+        problems.append(checkpoint_problem(path))
+        if problems[-1] is None:
             return path
         if announce:
-            print(f"parallel3d: skipping corrupt checkpoint {path}: {problem}; trying the previous one",
+            print(f"parallel3d: skipping corrupt checkpoint {path}: {problems[-1]}; trying the previous one",
                   file=sys.stderr, flush=True)
+    if problems:  # never a silent fresh start over a run whose checkpoints are all damaged
+        raise RunError(f"every checkpoint in {root} is corrupt (newest: {problems[0]}). Fix: "
+                       f"checkpoint.resume=none to start afresh (the old run is moved aside)")
     return None
 
 
