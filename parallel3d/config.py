@@ -16,8 +16,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = PROJECT_ROOT / "conf"
-RECIPES_DIR = PROJECT_ROOT / "recipes"
+
+
+def _shipped(name: str) -> Path:
+    """conf/ or recipes/: inside the installed package (a wheel), else at the top of the checkout."""
+    from importlib.resources import files
+
+    packaged = Path(str(files("parallel3d") / name))
+    return packaged if packaged.is_dir() else PROJECT_ROOT / name
+
+
+CONF_DIR = _shipped("conf")
+RECIPES_DIR = _shipped("recipes")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, env, launch
+from conftest import FAST, Run, env, launch
 from parallel3d.optim import lr_factor
 
 BASE = [*FAST, "train.steps=4", "checkpoint.every=2"]
@@ -112,7 +112,10 @@ def test_vocabulary_larger_than_the_model_names_the_token_file(tmp_path):
 
 def test_an_unwritable_run_dir_is_one_line(tmp_path):
     (tmp_path / "a_file").write_text("")
-    run = launch(tmp_path / "a_file" / "run", FAST)
+    run_dir = tmp_path / "a_file" / "run"
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.train", f"run_dir={run_dir}", *FAST],
+                          capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
+    run = Run(run_dir, proc.returncode, proc.stdout, proc.stderr)
     assert_one_line_error(run, "not writable", "Fix: set run_dir=")
 
 
