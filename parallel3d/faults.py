@@ -86,6 +86,22 @@ def report_failure(error: BaseException, run_dir: str | None, rank: int) -> None
               flush=True)
 
 
+def attempt_store(timeout):
+    """The process group's store for this attempt of a ``torchrun --max-restarts`` job, or None.
+
+    Since torch 2.5 torchrun's agent shares one TCPStore with every attempt's workers
+    (TORCHELASTIC_USE_AGENT_STORE=True), and env:// puts each attempt's process-group keys under
+    the same names: a restarted group reads its dead predecessor's addresses and fails
+    ("Connection refused", pytorch#135712). A prefix per attempt (TORCHELASTIC_RESTART_COUNT, the
+    same on every node: all agents restart together) gives each attempt keys of its own, so plain
+    torchrun restarts need no TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"parallel3d/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
 class Stopped(Exception):
     """Stopped on a signal after ``step``, with a checkpoint at ``checkpoint``."""
 

@@ -30,8 +30,8 @@ from parallel3d import hf
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
-from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, check_corpus,
-                              log_path, report_failure, warnings_to_log)
+from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, attempt_store,
+                              check_corpus, log_path, report_failure, warnings_to_log)
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
@@ -58,20 +58,12 @@ def init_distributed(train, world_size: int) -> torch.device:
     else:
         device = torch.device("cpu")
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=train.dist_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = timedelta(seconds=train.dist_timeout_s)
+        store = attempt_store(timeout)  # None: torch's env:// rendezvous, as before
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                device_id=device if device.type == "cuda" else None, store=store,
+                                rank=rank(), world_size=world_size)
     return device
-
-
-def warn_about_restarts() -> None:
-    """Under plain ``torchrun --max-restarts`` (torch >= 2.5) a restarted group reads its dead
-    predecessor's addresses from the shared rendezvous store and fails (pytorch#135712)."""
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        print("parallel3d: warning: torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: "
-              "restarts after a failure cannot connect (pytorch#135712). Launch with parallel3d-run, or "
-              "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun", file=sys.stderr, flush=True)
 
 
 def train(cfg: DictConfig) -> Path:
@@ -81,8 +73,6 @@ def train(cfg: DictConfig) -> Path:
     device = init_distributed(cfg.train, world_size)
     is_rank0 = rank() == 0
     torch.manual_seed(cfg.train.seed + rank())  # the global RNG (checkpointed), reproducible per rank
-    if is_rank0:
-        warn_about_restarts()
     run_dir = shared_run_dir(str(cfg.run_dir))
     cfg.run_dir = str(run_dir)
     own_run_dir(run_dir, fresh_start=cfg.checkpoint.resume == "none")  # released by _hydra_main

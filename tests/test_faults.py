@@ -151,7 +151,7 @@ def test_stop_signals_agree_ctrl_c_twice_exits_at_once(tmp_path, capsys):
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.should_stop(5)
         err = capsys.readouterr().err
-        assert f"Ctrl-C during step 6 (last checkpoint: {tmp_path / 'checkpoints' / 'step_3'})" in err
+        assert f"Ctrl-C during step 5 (last checkpoint: {tmp_path / 'checkpoints' / 'step_3'})" in err
         assert "Ctrl-C again to exit now" in err
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
@@ -166,3 +166,37 @@ def test_plan_layout_gpu_memory_is_gib_without_a_unit():
 
     assert parse_bytes("80") == parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("1024B") == 1024
+
+
+RESTART_PROBE = """
+import os
+from datetime import timedelta
+import torch, torch.distributed as dist
+from parallel3d.faults import attempt_store
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+dist.init_process_group("gloo", store=attempt_store(timedelta(seconds=30)), rank=rank,
+                        world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=30))
+total = torch.ones(1)
+dist.all_reduce(total)
+if attempt == 0:  # the first attempt's group formed; rank 1 dies, torchrun restarts both
+    dist.barrier()
+    if rank == 1:
+        os._exit(1)
+    dist.barrier()
+print(f"attempt {attempt} rank {rank} sum {total.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_plain_torchrun_restarts_form_a_fresh_group(tmp_path):
+    """pytorch#135712: without a store prefix per attempt, attempt 1 reads attempt 0's addresses
+    from torchrun's shared store and gloo fails with "Connection refused" (measured with this probe
+    and store=None). No TORCH_DISABLE_SHARE_RDZV_TCP_STORE in the environment."""
+    (tmp_path / "probe.py").write_text(RESTART_PROBE)
+    environ = {k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "--max-restarts=1", "probe.py"], capture_output=True, text=True, cwd=tmp_path,
+                          env=environ, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("attempt")) == [
+        "attempt 1 rank 0 sum 2.0", "attempt 1 rank 1 sum 2.0"]
