@@ -14,6 +14,7 @@ says where the run is; a second one exits at once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -183,3 +184,37 @@ def check_corpus(corpus, vocab_size: int, seq_len: int, data_cfg) -> None:
         raise RunError(f"{where} was tokenized with a vocabulary of {data_vocab}, larger than "
                        f"model.vocab_size={vocab_size}. Fix: set model.vocab_size={data_vocab} (or more), or "
                        f"tokenize with the model's tokenizer")
+
+
+class SweepFailures:
+    """Jobs of a one-process Hydra ``--multirun`` that failed. Each job's failure ends in
+    SystemExit, which would end the whole sweep: here it is noted and the next job runs; the
+    sweep reports them and exits 1 at the end. Outside a sweep a SystemExit passes unchanged."""
+
+    def __init__(self):
+        self.failed: list[tuple[int, int]] = []  # (job number, exit status)
+
+    @contextlib.contextmanager
+    def job(self):
+        try:
+            yield
+        except SystemExit as e:
+            number = _sweep_job_number()
+            if number is None or not e.code:
+                raise
+            self.failed.append((number, e.code))
+            print(f"parallel3d: sweep job {number} failed (exit {e.code}); going on with the next",
+                  file=sys.stderr, flush=True)
+
+    def exit_if_any(self) -> None:
+        if self.failed:
+            print(f"parallel3d: sweep jobs {[n for n, _ in self.failed]} failed", file=sys.stderr, flush=True)
+            sys.exit(EXIT_FAILED)
+
+
+def _sweep_job_number() -> int | None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    config = HydraConfig.get() if HydraConfig.initialized() else None
+    return config.job.num if config is not None and config.mode == RunMode.MULTIRUN else None

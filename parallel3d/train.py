@@ -30,8 +30,8 @@ from parallel3d import hf
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
-from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, attempt_store,
-                              check_corpus, log_path, report_failure, warnings_to_log)
+from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, SweepFailures,
+                              attempt_store, check_corpus, log_path, report_failure, warnings_to_log)
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
@@ -49,6 +49,9 @@ from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, worl
 
 class TrainingDiverged(RuntimeError):
     pass
+
+
+SWEEP_FAILURES = SweepFailures()
 
 
 def init_distributed(train, world_size: int) -> torch.device:
@@ -308,6 +311,11 @@ def _local(loss: torch.Tensor) -> torch.Tensor:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
+    with SWEEP_FAILURES.job():  # a failed job of a one-process Hydra --multirun: noted, the sweep goes on
+        run_job(cfg)
+
+
+def run_job(cfg: DictConfig) -> None:
     try:
         refuse_multirun_under_torchrun()
         train(cfg)
@@ -358,6 +366,7 @@ def main() -> None:
         sys.exit(EXIT_FAILED)
     sys.argv = output_dir_is_run_dir(sys.argv)
     _hydra_main()
+    SWEEP_FAILURES.exit_if_any()
     if world_size_from_env() > 1:
         # The run is complete and its process group destroyed. gloo can still abort the process
         # in C++ static destructors ("terminate called without an active exception"), which

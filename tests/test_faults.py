@@ -200,3 +200,14 @@ def test_plain_torchrun_restarts_form_a_fresh_group(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(line for line in done.stdout.splitlines() if line.startswith("attempt")) == [
         "attempt 1 rank 0 sum 2.0", "attempt 1 rank 1 sum 2.0"]
+
+
+def test_a_hydra_multirun_goes_on_past_a_failed_job_and_reports_it(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-m", "parallel3d.train", "--multirun", *FAST, "train.steps=2",
+                           "optim.warmup_steps=1", "train.global_batch_size=15,16", f"hydra.sweep.dir={sweep}"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env(), timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "parallel3d: sweep job 0 failed (exit 2)" in done.stderr  # 15 sequences: not divisible
+    assert done.stderr.rstrip().endswith("parallel3d: sweep jobs [0] failed")
+    assert len((sweep / "1" / "metrics.jsonl").read_text().splitlines()) == 2
