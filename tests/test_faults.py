@@ -211,3 +211,12 @@ def test_a_hydra_multirun_goes_on_past_a_failed_job_and_reports_it(tmp_path):
     assert "parallel3d: sweep job 0 failed (exit 2)" in done.stderr  # 15 sequences: not divisible
     assert done.stderr.rstrip().endswith("parallel3d: sweep jobs [0] failed")
     assert len((sweep / "1" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_dry_run_tool_shows_its_progress_rank_by_rank(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import dry_run
+
+    assert dry_run.main(["parallel.pp=2", "train.seq_len=32", "--world-size", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "dry run: rank 0 (1 of 2)" in err and "dry run: rank 1 (2 of 2)" in err
