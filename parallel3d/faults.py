@@ -123,9 +123,9 @@ class StopSignals:
     """Stop requests from signals, agreed by every rank at the same step.
 
     A handler only sets a flag; ``should_stop()`` (once per step) makes every rank see the same
-    answer by one all_reduce of one int over ``group`` (the checkpointer's gloo group: a CPU
-    tensor, so it never waits for a GPU stream). Measured on gloo CPU ranks here: see
-    docs/troubleshooting.md. With one process it is a flag read.
+    answer by one all_reduce of one int32 over a gloo group of its own (a CPU tensor, so it never
+    waits for a GPU stream; not the checkpointer's group, whose asynchronous saves run collectives
+    from a thread). With one process it is a flag read.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -135,6 +135,12 @@ class StopSignals:
         self.received: int | None = None
         self.step = 0  # the last finished step
         self._previous: dict[int, object] = {}
+
+    @classmethod
+    def for_run(cls, checkpoints: Path, verbose: bool, timeout) -> StopSignals:
+        """Under several ranks, with the gloo group they agree over (every rank must call this)."""
+        group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        return cls(checkpoints, group, verbose)
 
     def install(self) -> StopSignals:
         import threading

@@ -137,7 +137,7 @@ def train(cfg: DictConfig) -> Path:
               f"run_dir {run_dir}", flush=True)
 
     progress.start(t.steps, done=start_step)
-    stop = StopSignals(checkpointer.root, checkpointer.group, verbose=is_rank0).install()
+    stop = StopSignals.for_run(checkpointer.root, is_rank0, timedelta(seconds=t.dist_timeout_s)).install()
     state_bytes: dict[str, int] = {}
     since, steps_since = time.perf_counter(), 0
     for step in range(start_step + 1, t.steps + 1):

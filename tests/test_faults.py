@@ -140,6 +140,27 @@ def test_sigterm_finishes_the_step_saves_and_exits_for_a_requeue(tmp_path):
     assert "SIGTERM during step" in err and not (run_dir / ".lock").exists()
 
 
+@pytest.mark.multirank
+def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
+    """torchrun forwards SIGTERM to its workers; they agree on the step (one all_reduce per step)
+    and save it (dp2: each rank writes its shards), then exit 75."""
+    run_dir = tmp_path / "run"
+    args = [*FAST, "train.steps=400", "parallel.dp_shard=2", f"run_dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "parallel3d.train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env(), cwd=tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert (run_dir / "checkpoints" / f"step_{last}" / "COMPLETE").is_file(), err[-3000:]
+    assert f"stopped by SIGTERM after step {last}" in err
+    assert "exitcode  : 75" in err or "exitcode: 75" in err or "exit 75" in err
+
+
 def test_stop_signals_agree_ctrl_c_twice_exits_at_once(tmp_path, capsys):
     from parallel3d.faults import StopSignals
 
