@@ -241,3 +241,32 @@ def test_the_dry_run_tool_shows_its_progress_rank_by_rank(capsys):
     assert dry_run.main(["parallel.pp=2", "train.seq_len=32", "--world-size", "2"]) == 0
     err = capsys.readouterr().err
     assert "dry run: rank 0 (1 of 2)" in err and "dry run: rank 1 (2 of 2)" in err
+
+
+def test_empty_or_truncated_token_data_is_named(tmp_path):
+    from types import SimpleNamespace
+
+    from parallel3d.data import ByteTokenizer, TokenFile, write_token_file
+    from parallel3d.faults import RunError, check_corpus
+
+    path = write_token_file(["tiny"], ByteTokenizer(), tmp_path / "tiny.bin")
+    with pytest.raises(RunError, match=f"{path} holds 5 tokens, fewer than one sequence of train.seq_len=64"):
+        check_corpus(TokenFile(path), 512, 64, SimpleNamespace(path=str(path)))
+    path.write_bytes(path.read_bytes()[:-2])
+    with pytest.raises(RunError, match=f"{path} is 8 bytes but tiny.json says 10"):
+        TokenFile(path)
+
+
+def test_warnings_of_other_ranks_go_to_their_log_file(tmp_path, monkeypatch, capsys):
+    import warnings
+
+    from parallel3d.faults import warnings_to_log
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after the test
+    log = tmp_path / "rank1.log"
+    warnings_to_log(log)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("every rank says this")
+    assert "every rank says this" not in capsys.readouterr().err
+    assert "UserWarning: every rank says this" in log.read_text()
