@@ -5,7 +5,8 @@
     shard-*.safetensors        every rank's shards of the model and optimizer state, written by
                                DCP's HuggingFaceStorageWriter (offsets in each file's header)
     rng/rank_<r>.safetensors   each rank's RNG states
-    meta.json                  step, data position, LR scheduler, the layout it was saved at
+    meta.json                  step, data position, LR scheduler (for reference: a resumed run
+                               takes its schedule from its config), the layout it was saved at
     config.yaml                the resolved config of the run that saved it
     COMPLETE                   written last: a folder without it is ignored, then removed
 
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 
 from parallel3d import hf
 from parallel3d.config import CheckpointConfig
-from parallel3d.optim import init_optimizer_state
+from parallel3d.optim import init_optimizer_state, set_schedule_step
 from parallel3d.progress import Progress
 
 COMPLETE, META = "COMPLETE", "meta.json"
@@ -116,13 +117,17 @@ class Checkpointer:
         if self.group is not None:
             dist.barrier(group=self.group)
 
-    def remove_incomplete(self) -> None:
-        """Partial checkpoints left by a kill: never loaded, removed before this run saves."""
+    def remove_incomplete(self) -> list[Path]:
+        """Partial checkpoints left by a kill: never loaded, removed before this run saves.
+        Returns them (on rank 0) for the run to report."""
+        removed = []
         if self.rank == 0 and self.root.is_dir():
-            for path in self.root.iterdir():
+            for path in sorted(self.root.iterdir()):
                 if _STEP_DIR.match(path.name) and not (path / COMPLETE).is_file():
                     shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
         self._barrier()
+        return removed
 
     def resume_from(self) -> Path | None:
         """The checkpoint ``checkpoint.resume`` names: auto, none, or a path."""
@@ -201,10 +206,8 @@ class Checkpointer:
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
                  no_dist=self.group is None)
         _finish_load(copies)
-        if state.scheduler is not None and not meta["model_only"]:
-            state.scheduler.load_state_dict(meta["scheduler"])
-            for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr()):
-                group["lr"] = lr
+        if state.scheduler is not None and not meta["model_only"]:  # the config's schedule, at the saved step
+            set_schedule_step(state.scheduler, meta["step"])
         rng_file = path / "rng" / f"rank_{self.rank}.safetensors"
         if meta["world_size"] == self.world_size and rng_file.is_file():  # RNG streams are per rank
             rng = load_file(str(rng_file))

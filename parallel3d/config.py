@@ -15,11 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
-
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = PROJECT_ROOT / "conf"
-RECIPES_DIR = PROJECT_ROOT / "recipes"
+
+
+def _shipped(name: str) -> Path:
+    """conf/ or recipes/: inside the installed package (a wheel), else at the top of the checkout."""
+    from importlib.resources import files
+
+    packaged = Path(str(files("parallel3d") / name))
+    return packaged if packaged.is_dir() else PROJECT_ROOT / name
+
+
+CONF_DIR = _shipped("conf")
+RECIPES_DIR = _shipped("recipes")
 
 
 @dataclass
@@ -191,14 +199,19 @@ class Config:
     recipe: Optional[str] = None  # the recipe's name, set by the recipe itself
 
 
-def register_configs() -> None:
-    """Put the schema and every recipe into Hydra's ConfigStore (idempotent)."""
+def register_configs(overrides: list[str] | tuple[str, ...] = ()) -> None:
+    """Put the schema and every readable recipe into Hydra's ConfigStore (idempotent). A broken
+    recipe file fails only when ``overrides`` select it (strictconfig.py: RecipeError, naming it)."""
     from hydra.core.config_store import ConfigStore
+
+    from parallel3d.strictconfig import load_recipes, recipe_dirs, refuse_broken
 
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
-        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+    recipes, broken = load_recipes(recipe_dirs(RECIPES_DIR))
+    for name, node in recipes.items():
+        cs.store(group="recipe", name=name, node=node, package="_global_")
+    refuse_broken(broken, list(overrides))
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
@@ -210,6 +223,6 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    register_configs()
+    register_configs(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name="config", overrides=list(overrides))

@@ -186,9 +186,11 @@ def representative_ranks(parallel, world_size: int) -> list[int]:
     return list(range(0, world_size, world_size // parallel.pp))
 
 
-def dry_run(overrides: list[str], world_size: int, ranks: list[int] | None = None) -> list[RankReport]:
+def dry_run(overrides: list[str], world_size: int, ranks: list[int] | None = None,
+            announce=lambda line: None) -> list[RankReport]:
     """Run one training step of ``ranks`` (default: one per pipeline stage) of the configured layout
-    on ``world_size`` fake ranks; see the module docstring. Raises ConfigError before building."""
+    on ``world_size`` fake ranks; see the module docstring. Raises ConfigError before building.
+    ``announce`` gets a line before each rank (a large layout takes minutes per rank)."""
     if not any(o.startswith("run_dir=") for o in overrides):  # never written: the checks only read it
         overrides = [*overrides, f"run_dir={tempfile.gettempdir()}/parallel3d-dryrun"]
     cfg = compose(overrides)
@@ -199,7 +201,11 @@ def dry_run(overrides: list[str], world_size: int, ranks: list[int] | None = Non
     bad = [r for r in ranks if not 0 <= r < world_size]
     if bad:
         raise ValueError(f"ranks {bad} are outside 0..{world_size - 1}")
-    return [run_rank(c, world_size, r) for r in ranks]
+    reports = []
+    for n, r in enumerate(ranks):
+        announce(f"dry run: rank {r} ({n + 1} of {len(ranks)})")
+        reports.append(run_rank(c, world_size, r))
+    return reports
 
 
 def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankReport:

@@ -80,10 +80,7 @@ class MetricsLogger:
         self.start, self.first_step = time.perf_counter(), resumed_at
         self._file = None
         if enabled:  # a fresh run starts its own record; a resumed one keeps the rows up to its checkpoint
-            kept = []
-            if resumed_at and self.path.exists():
-                rows = (line for line in self.path.read_text().splitlines() if line.strip())
-                kept = [line for line in rows if json.loads(line)["step"] <= resumed_at]
+            kept = kept_rows(self.path, resumed_at) if resumed_at and self.path.exists() else []
             tmp = self.path.with_name(self.path.name + ".tmp")  # a kill now must not lose the kept rows
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, self.path)
@@ -112,6 +109,22 @@ class MetricsLogger:
             self.wandb_run.finish()
 
 
+def kept_rows(path: Path, resumed_at: int) -> list[str]:
+    """The lines of metrics.jsonl up to step ``resumed_at``. A line that does not parse (the half
+    written last line of a killed run) is dropped with a message: it must not block the resume."""
+    kept = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            step = json.loads(line)["step"] if line.strip() else None
+        except (ValueError, KeyError, TypeError):
+            print(f"parallel3d: dropped unreadable line {n} of {path} (a write cut short)", file=sys.stderr,
+                  flush=True)
+            continue
+        if step is not None and step <= resumed_at:
+            kept.append(line)
+    return kept
+
+
 def start_wandb(wandb_cfg, run_dir: Path, config: dict, resumed: bool = False):
     """A wandb run on rank 0, offline unless an API key (or an explicit mode) says otherwise.
 
@@ -121,7 +134,11 @@ def start_wandb(wandb_cfg, run_dir: Path, config: dict, resumed: bool = False):
     """
     import wandb  # imported only when enabled: it is slow to import and absent on some machines
 
-    mode = wandb_cfg.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    mode = wandb_mode(wandb_cfg.mode)
+    if mode == "online" and not server_reachable(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")):
+        print("parallel3d: warning: wandb server unreachable: logging offline (upload later with "
+              f"`wandb sync {run_dir / 'wandb'}/offline-run-*`)", file=sys.stderr, flush=True)
+        mode = "offline"
     if mode == "offline":  # wandb 0.31's error reporting calls its server even offline (measured)
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     id_file = run_dir / "wandb" / "run_id"
@@ -134,6 +151,33 @@ def start_wandb(wandb_cfg, run_dir: Path, config: dict, resumed: bool = False):
                      config=config, id=run_id, resume="allow" if run_id else None)
     id_file.write_text(run.id + "\n")
     return run
+
+
+def wandb_mode(configured: str | None) -> str:
+    """offline or disabled, said by WANDB_MODE or logging.wandb.mode, always wins (an API key in the
+    environment does not turn it online); then an explicit mode; then online only with an API key."""
+    explicit = [m for m in (os.environ.get("WANDB_MODE"), configured) if m]
+    for quiet in ("disabled", "offline", "dryrun"):
+        if quiet in explicit:
+            return "offline" if quiet == "dryrun" else quiet
+    if explicit:
+        return explicit[0]
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def server_reachable(url: str, timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to ``url``'s host opens within ``timeout_s`` (no request is sent):
+    wandb itself would wait about 105 s before failing the run."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _duration(seconds: float) -> str:

@@ -91,6 +91,19 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim, steps: int) -> t
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def set_schedule_step(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Put the schedule after ``step`` optimizer steps, as this run's config defines it.
+
+    A resumed run does not load the scheduler's saved state: the learning rate is a pure function
+    of (step, config), so a changed optim.lr, schedule, warmup, min_lr_ratio or train.steps
+    applies from the next step (a loaded LambdaLR state would keep the old values)."""
+    scheduler.last_epoch = step
+    lrs = [base * factor(step) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() returns; LambdaLR has no public setter
+
+
 @torch.no_grad()
 def settle_gradients(params) -> None:
     """Give each DTensor gradient its parameter's placements, once, after backward.

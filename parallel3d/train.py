@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -24,14 +23,21 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from parallel3d import hf
+from parallel3d.base import ConfigError, resolve_device, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
-from parallel3d.base import ConfigError, resolve_device, world_size_from_env
 from parallel3d.data import StepSampler, open_corpus
+from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, SweepFailures,
+                               attempt_store, check_corpus, log_path, report_failure, warnings_to_log)
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
 from parallel3d.progress import Progress
+from parallel3d.resume import check_hf_weights, check_not_past_end, pick_checkpoint, report_changes
+from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
+                               shared_run_dir, unwritable_run_dir)
 from parallel3d.setup import Setup, build_setup, train_step
+from parallel3d.strictconfig import RecipeError
 from parallel3d.validate import check
 
 
@@ -39,13 +45,7 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def rank0_dir(path: str) -> str:
-    """Hydra's output dir on rank 0; a scratch dir on other ranks (rank 0 shares its run_dir)."""
-    return path if rank() == 0 else os.path.join(tempfile.gettempdir(), f"parallel3d-rank{rank()}")
+SWEEP_FAILURES = SweepFailures()
 
 
 def init_distributed(train, world_size: int) -> torch.device:
@@ -55,31 +55,12 @@ def init_distributed(train, world_size: int) -> torch.device:
     else:
         device = torch.device("cpu")
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=train.dist_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = timedelta(seconds=train.dist_timeout_s)
+        store = attempt_store(timeout)  # None: torch's env:// rendezvous, as before
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                device_id=device if device.type == "cuda" else None, store=store,
+                                rank=rank(), world_size=world_size)
     return device
-
-
-def warn_about_restarts() -> None:
-    """Under plain ``torchrun --max-restarts`` (torch >= 2.5) a restarted group reads its dead
-    predecessor's addresses from the shared rendezvous store and fails (pytorch#135712)."""
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        print("parallel3d: warning: torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: "
-              "restarts after a failure cannot connect (pytorch#135712). Launch with parallel3d-run, or "
-              "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun", file=sys.stderr, flush=True)
-
-
-def shared_run_dir(run_dir: str) -> Path:
-    """Every rank writes under rank 0's run_dir (ranks may disagree on Hydra's timestamp)."""
-    if dist.is_initialized():
-        box = [run_dir]
-        dist.broadcast_object_list(box, src=0)
-        run_dir = box[0]
-    path = Path(run_dir).expanduser().resolve()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def train(cfg: DictConfig) -> Path:
@@ -89,10 +70,11 @@ def train(cfg: DictConfig) -> Path:
     device = init_distributed(cfg.train, world_size)
     is_rank0 = rank() == 0
     torch.manual_seed(cfg.train.seed + rank())  # the global RNG (checkpointed), reproducible per rank
-    if is_rank0:
-        warn_about_restarts()
     run_dir = shared_run_dir(str(cfg.run_dir))
     cfg.run_dir = str(run_dir)
+    own_run_dir(run_dir, fresh_start=cfg.checkpoint.resume == "none")  # released by run_job
+    if not is_rank0:  # rank 0 shows each warning once; the others' go to run_dir/logs/rank<N>.log
+        warnings_to_log(log_path(run_dir, rank()))
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     if is_rank0:
         (run_dir / "config.yaml").write_text(config_yaml)
@@ -102,11 +84,13 @@ def train(cfg: DictConfig) -> Path:
     progress = Progress(enabled=is_rank0)  # bars on a terminal, plain lines otherwise
     checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=c.train.dist_timeout_s), progress=progress)
     state = TrainState(setup.parts, setup.optimizer, setup.scheduler)
-    start_step, data_offset = restore(checkpointer, state, c, is_rank0)
+    start_step, data_offset = restore(checkpointer, state, c, is_rank0, config_yaml)
     if c.checkpoint.create_seed:
         save_seed(checkpointer, setup, config_yaml, is_rank0)
         return run_dir
-    sampler = StepSampler(load_corpus(c.data, is_rank0).tokens, setup.spec, c.train.seed, offset=data_offset)
+    corpus = load_corpus(c.data, is_rank0)
+    check_corpus(corpus, c.model.vocab_size, c.train.seq_len, c.data)
+    sampler = StepSampler(corpus.tokens, setup.spec, c.train.seed, offset=data_offset)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
     logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress)
@@ -158,15 +142,23 @@ class TrainLoop:
             self.log_metrics, self.save_checkpoint]
 
     def run(self, start_step: int) -> None:
-        steps = self.setup.config.train.steps
-        self.progress.start(steps, done=start_step)
-        for step in range(start_step + 1, steps + 1):
+        t = self.setup.config.train
+        self.progress.start(t.steps, done=start_step)
+        # SIGTERM/SIGUSR1 (preemption) and Ctrl-C: finish the step, save, exit to be requeued.
+        stop = StopSignals.for_run(self.checkpointer.root, rank() == 0, timedelta(seconds=t.dist_timeout_s)).install()
+        for step in range(start_step + 1, t.steps + 1):
             self.checkpointer.poll()
             lr = self.setup.scheduler.get_last_lr()[0]
             loss_sum, grad_norm = self.step(step)
             self.progress.update(step)
             for action in self.after_step:
                 action(step, loss_sum, grad_norm, lr)
+            if stop.should_stop(step):  # every rank agrees (one tiny all_reduce per step)
+                self.save_checkpoint(step, force=True)
+                self.checkpointer.wait()
+                self.progress.close()
+                raise Stopped(step, self.checkpointer.root / f"step_{step}", stop.received)
+        stop.restore()
         self.checkpointer.wait()
         self.progress.close()
         self.logger.close()
@@ -188,10 +180,10 @@ class TrainLoop:
                                    f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
         self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read()})
 
-    def save_checkpoint(self, step: int, *_) -> None:
+    def save_checkpoint(self, step: int, *_, force: bool = False) -> None:
         c = self.setup.config
         every = c.checkpoint.every
-        if every and (step % every == 0 or step == c.train.steps):
+        if force or (every and (step % every == 0 or step == c.train.steps)):
             layout = {**self.setup.dims.sizes(), "zero_stage": c.parallel.zero_stage,
                       "pp_schedule": c.parallel.pp_schedule}
             self.checkpointer.save(step, self.state, {"samples_seen": self.sampler.samples_seen(step), "layout": layout,
@@ -242,32 +234,31 @@ class StepMeter:
                 "max_memory_bytes": memory[0], **dict(zip(self.state_bytes, memory[1:]))}
 
 
-def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool) -> tuple[int, int]:
+def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool,
+            config_yaml: str) -> tuple[int, int]:
     """Resume (or load initial weights) as checkpoint.* says: the step done, and the data offset."""
-    checkpointer.remove_incomplete()
-    path = checkpointer.resume_from()
+    for path in checkpointer.remove_incomplete():
+        print(f"parallel3d: removed incomplete checkpoint {path} (a save that did not finish)", flush=True)
+    path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=is_rank0)
     if path is not None:
+        step = check_not_past_end(path, c.train.steps)
+        if is_rank0:
+            report_changes(path, config_yaml)
         meta = checkpointer.load(path, state)
         if is_rank0:
             print(f"parallel3d: resumed from {path} (saved at {meta['layout']})", flush=True)
+            if step == c.train.steps:
+                print(f"parallel3d: {path.name} is at train.steps={step}: the run is complete, nothing to train "
+                      f"(raise train.steps to continue it)", flush=True)
         if meta["model_only"]:  # a seed checkpoint: its weights, then a fresh start
             return 0, 0
         return meta["step"], meta["samples_seen"] - meta["step"] * c.train.global_batch_size
     if c.checkpoint.init_from:
-        checkpointer.load_weights(Path(c.checkpoint.init_from).expanduser(), state, c.model)
+        init_from = Path(c.checkpoint.init_from).expanduser()
+        if hf.is_hf_dir(init_from):
+            check_hf_weights(init_from)
+        checkpointer.load_weights(init_from, state, c.model)
     return 0, 0
-
-
-def output_dir_is_run_dir(argv: list[str]) -> list[str]:
-    """With a literal ``run_dir=PATH`` and no ``hydra.run.dir``, make PATH Hydra's output dir as
-    well: Hydra creates its run dir whatever run_dir says, leaving empty outputs/DATE/TIME folders."""
-    from parallel3d.launch.run import run_dir_override
-    from parallel3d.launch.sweep import MULTIRUN_FLAGS, key_of
-
-    given = [a.split("=", 1)[1] for a in argv[1:] if key_of(a) == "run_dir"]
-    if not given or "${" in given[-1] or any(key_of(a) == "hydra.run.dir" or a in MULTIRUN_FLAGS for a in argv):
-        return argv
-    return [*argv, run_dir_override(given[-1])]
 
 
 def refuse_multirun_under_torchrun() -> None:
@@ -283,6 +274,13 @@ def refuse_multirun_under_torchrun() -> None:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
+    with SWEEP_FAILURES.job():  # a failed job of a one-process Hydra --multirun: noted, the sweep goes on
+        run_job(cfg)
+
+
+def run_job(cfg: DictConfig) -> None:
+    """One run, every way it can end: done, a config error, divergence, a stop signal (requeue), or
+    a failure (one line here, the traceback in run_dir/logs; see faults.py)."""
     try:
         refuse_multirun_under_torchrun()
         train(cfg)
@@ -293,19 +291,47 @@ def _hydra_main(cfg: DictConfig) -> None:
         else:  # torchrun kills the other ranks when one exits: let rank 0 say why first
             time.sleep(2)
         sys.exit(2 if isinstance(e, ConfigError) else 3)
+    except Stopped as e:
+        if rank() == 0:
+            print(f"parallel3d: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_REQUEUE)
+    except KeyboardInterrupt:  # a second Ctrl-C
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:
+        report_failure(e, _known_run_dir(cfg), rank())
+        if rank() != 0:
+            time.sleep(2)
+        sys.exit(EXIT_FAILED)
     else:
         if dist.is_initialized():
             dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
+        release_run_dir(_known_run_dir(cfg))
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _known_run_dir(cfg: DictConfig) -> str | None:
+    try:
+        return str(cfg.run_dir)
+    except Exception:  # an interpolation that cannot resolve: no run_dir to write to
+        return None
+
+
 def main() -> None:
-    register_configs()
-    OmegaConf.register_new_resolver("p3d.rank0_dir", rank0_dir, replace=True)
+    try:
+        register_configs(sys.argv[1:])
+    except RecipeError as e:
+        print(f"parallel3d: config error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    register_rank0_dir()
+    problem = unwritable_run_dir(sys.argv)
+    if problem:
+        print(f"parallel3d: error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILED)
     sys.argv = output_dir_is_run_dir(sys.argv)
     _hydra_main()
+    SWEEP_FAILURES.exit_if_any()
     if world_size_from_env() > 1:
         # The run is complete and its process group destroyed. gloo can still abort the process
         # in C++ static destructors ("terminate called without an active exception"), which

@@ -64,6 +64,7 @@ def check(cfg, world_size: int, device: str | None = None):
     ``device`` ("cpu" or "cuda"): what the run's machines have, when they are not this one (a
     Slurm job submitted from a login node); None: this machine's.
     """
+    _check_known_keys(cfg)
     cfg = resolve(cfg, world_size)
     _check_degrees(cfg.parallel, world_size)
     _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
@@ -75,6 +76,20 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_logging(cfg.logging)
     _check_checkpoint(cfg.checkpoint, cfg.model, _run_dir(cfg))
     return cfg
+
+
+def _check_known_keys(cfg) -> None:
+    """A key the schema lacks (added with ``+``, which Hydra lets past the struct check) is refused."""
+    from omegaconf import OmegaConf
+
+    from parallel3d.config import Config
+    from parallel3d.strictconfig import closest_key, unknown_keys
+
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    for key in unknown_keys({k: v for k, v in tree.items() if k != "hydra"}, Config):
+        near = closest_key(key, Config)
+        raise ConfigError(key, OmegaConf.select(cfg, key, throw_on_resolution_failure=False),
+                          "not a key of the config schema", f"use {near}" if near else "remove it (see parallel3d/config.py)")
 
 
 def _strategy_stage(p) -> int | None:

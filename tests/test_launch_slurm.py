@@ -61,13 +61,16 @@ def test_script_runs_one_torchrun_per_node_with_c10d_rendezvous(gpu_script):
     torchrun = args[4:args.index("parallel3d.train") + 1]
     assert torchrun == [sys.executable, "-m", "torch.distributed.run", "--nnodes=$SLURM_JOB_NUM_NODES",
                         "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=$head:29500",
-                        "--rdzv-id=$SLURM_JOB_ID", "--max-restarts=2", "-m", "parallel3d.train"]
+                        "--rdzv-id=$SLURM_JOB_ID", "--max-restarts=2",
+                        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "parallel3d.train"]
     overrides = args[len(torchrun) + 4:]
     assert overrides[:len(GPU_JOB)] == GPU_JOB  # quoted so that bash hands them over unchanged
     assert overrides[-1] == f"run_dir={tmp / 'run'}"  # fixed: a requeued job resumes in the same folder
     # The preemption signal reaches the batch shell only while it waits on a background srun.
-    assert lines[-2:] == [command, "wait $!"] and command.endswith(" &")
-    assert any(line.startswith("trap ") and "scontrol requeue" in line and line.endswith(" USR1") for line in lines)
+    assert lines[-3:] == [command, "srun_pid=$!", "wait $srun_pid"] and command.endswith(" &")
+    # ... and passes it on (torchrun forwards it to the ranks, which save), then requeues the job.
+    (trap,) = [line for line in lines if line.startswith("trap ")]
+    assert trap.endswith(" USR1") and trap.index('kill -USR1 "$srun_pid"') < trap.index("scontrol requeue")
 
 
 @pytest.mark.parametrize("args, key", [

@@ -145,3 +145,47 @@ def test_peak_flops_by_device_name(monkeypatch, name, dtype, expected):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops(torch.device("cuda", 0), dtype) == expected
     assert peak_flops(torch.device("cpu"), dtype) is None
+
+
+@pytest.mark.parametrize("environ, configured, expected", [
+    ({"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}, None, "offline"),  # the key does not turn it online
+    ({"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}, "online", "offline"),  # offline said anywhere wins
+    ({"WANDB_API_KEY": "k"}, "offline", "offline"),
+    ({"WANDB_API_KEY": "k"}, "disabled", "disabled"),
+    ({"WANDB_API_KEY": "k"}, None, "online"),
+    ({}, None, "offline"),
+    ({}, "online", "online"),
+])
+def test_an_explicit_offline_wandb_mode_always_wins(monkeypatch, environ, configured, expected):
+    from parallel3d.metrics import wandb_mode
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    assert wandb_mode(configured) == expected
+
+
+def test_wandb_online_without_a_server_continues_offline_within_seconds(tmp_path, monkeypatch, capsys):
+    """An API key and no reachable server (a closed port on loopback): offline, with a warning."""
+    import time
+
+    from parallel3d.config import WandbConfig
+    from parallel3d.metrics import start_wandb
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    started = time.monotonic()
+    run = start_wandb(WandbConfig(enabled=True, mode="online"), tmp_path, {"a": 1})
+    try:
+        assert time.monotonic() - started < 60
+        assert run.settings.mode == "offline"
+        assert "wandb server unreachable: logging offline" in capsys.readouterr().err
+    finally:
+        run.finish()
+    assert "x" * 40 not in "".join(p.read_text(errors="ignore") for p in tmp_path.rglob("*") if p.is_file())

@@ -141,18 +141,6 @@ def test_3d_recipe_trains_like_the_default_recipe(tmp_path):
     assert relative_error(three_d.losses, single.losses) < 1e-5
 
 
-@pytest.mark.parametrize("restarts,shared_store,warned", [("3", "True", True), ("3", "False", False),
-                                                          ("0", "True", False)])
-def test_plain_torchrun_with_restarts_is_warned_about_the_shared_store(monkeypatch, capsys, restarts,
-                                                                       shared_store, warned):
-    from parallel3d.train import warn_about_restarts
-
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared_store)
-    warn_about_restarts()
-    assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err) == warned
-
-
 def test_a_literal_run_dir_is_also_hydras_output_dir(tmp_path):
     """No empty outputs/DATE/TIME folder beside a run that names its run_dir."""
     from parallel3d.train import output_dir_is_run_dir

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
@@ -60,6 +61,12 @@ def comm_table(reports: list[RankReport], unit: str) -> str:
     return "\n".join(lines)
 
 
+def _progress_line():
+    """Prints each step of the dry run to stderr with the time since the start: rank by rank."""
+    start = time.perf_counter()
+    return lambda line: print(f"{line} [{time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="config overrides, as for python -m parallel3d.train")
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
     try:
-        reports = dry_run(args.overrides, args.world_size, ranks)
+        reports = dry_run(args.overrides, args.world_size, ranks, announce=_progress_line())
     except (ConfigError, ValueError) as e:  # a layout that cannot run; ranks outside the world
         print(f"dry_run: {'config error: ' if isinstance(e, ConfigError) else ''}{e}", file=sys.stderr)
         return 2

@@ -23,16 +23,16 @@ import re
 import sys
 
 GiB = 2**30
-UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
+UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
          "tb": 1e12}
 GROUPS = (("dp", "dp"), ("dp_shard", "shard"), ("dp_replicate", "repl"), ("tp", "tp"), ("pp", "pp"))
 
 
 def parse_bytes(text: str) -> int:
-    """``80GiB``, ``80GB``, ``85899345920`` -> bytes."""
+    """``80`` (GiB, as GPU memory is quoted), ``80GiB``, ``80GB``, ``85899345920B`` -> bytes."""
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 80GiB or 80GB)")
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 80 or 80GiB, 80GB, 85899345920B)")
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--gpus", type=int, help="rank every layout on this many GPUs")
     mode.add_argument("--world-size", type=int, help="break down the configured layout on this many ranks")
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu-memory", type=parse_bytes, default=80 * GiB, help="e.g. 80GiB (default)")
+    parser.add_argument("--gpu-memory", type=parse_bytes, default=80 * GiB, help="per GPU: 80 (GiB), 80GiB (default), 80GB")
     parser.add_argument("--intra-node-bw", type=float, default=450, help="GB/s one GPU sends in a node (450)")
     parser.add_argument("--inter-node-bw", type=float, default=50, help="GB/s one GPU sends across nodes (50)")
     parser.add_argument("--peak-tflops", type=float, default=989, help="dense TFLOP/s per GPU (989: H100 bf16)")
@@ -130,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"train.seq_len={args.seq_len}")
     if args.global_batch:
         overrides.append(f"train.global_batch_size={args.global_batch}")
-    cfg = compose(overrides)
+    try:
+        cfg = compose(overrides)
+    except Exception as e:  # Hydra's and OmegaConf's errors, a broken recipe: one line
+        print(f"plan_layout: config error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     hw = Hardware(args.gpu_memory, args.gpus_per_node, args.intra_node_bw * 1e9, args.inter_node_bw * 1e9,
                   args.peak_tflops * 1e12, args.efficiency)
     if args.world_size:

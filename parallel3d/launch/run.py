@@ -2,6 +2,7 @@
 
     parallel3d-run [torchrun options] [recipe=NAME] [key=value ...]
     parallel3d-run [torchrun options] --multirun [key=a,b ...]     # one torchrun per combination
+    parallel3d-run --recipes-dir DIR [torchrun options] recipe=NAME  # a recipe file kept in DIR
 
 Under plain torchrun every rank would print the same config error and torchrun would add a
 traceback of its own. This checks the config in one process first, for the world size that the
@@ -26,6 +27,7 @@ import subprocess
 import sys
 
 from parallel3d.launch import sweep
+from parallel3d.rundir import given_run_dir, hydra_run_dir, run_dir_override
 
 EXIT_CONFIG_ERROR = 2
 
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return
+    argv = take_recipes_dir(argv)
     multirun = any(a in sweep.MULTIRUN_FLAGS for a in argv)
     overrides, torchrun_args = split_args([a for a in argv if a not in sweep.MULTIRUN_FLAGS])
     try:
@@ -93,6 +96,25 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
+def take_recipes_dir(argv: list[str]) -> list[str]:
+    """``--recipes-dir DIR`` (or ``=DIR``, repeatable): recipes outside the repo, for this process
+    and, through PARALLEL3D_RECIPES, every worker torchrun starts. The rest of argv is returned."""
+    from parallel3d.strictconfig import RECIPES_ENV
+
+    dirs, rest, args = [], [], iter(argv)
+    for arg in args:
+        if arg == "--recipes-dir":
+            dirs.append(next(args, ""))
+        elif arg.startswith("--recipes-dir="):
+            dirs.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    if dirs:
+        known = [p for p in os.environ.get(RECIPES_ENV, "").split(os.pathsep) if p]
+        os.environ[RECIPES_ENV] = os.pathsep.join([*(os.path.abspath(d) for d in dirs), *known])
+    return rest
+
+
 def torchrun_command(torchrun_args: list[str], overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "parallel3d.train", *overrides]
 
@@ -114,6 +136,7 @@ def first_config_error(overrides: list[str], sizes: list[int], device: str | Non
     from omegaconf.errors import OmegaConfBaseException
 
     from parallel3d.config import compose
+    from parallel3d.strictconfig import RecipeError
     from parallel3d.validate import ConfigError, check
 
     for world_size in sizes:
@@ -121,9 +144,18 @@ def first_config_error(overrides: list[str], sizes: list[int], device: str | Non
             check(compose(overrides), world_size, device)
         except ConfigError as e:
             return f"{e} (world size {world_size})" if len(sizes) > 1 else str(e)
-        except (HydraException, OmegaConfBaseException) as e:
-            return " ".join(str(e).split("\n")[:2]).strip()
+        except (HydraException, OmegaConfBaseException, RecipeError) as e:
+            return hydra_reason(e)
     return None
+
+
+def hydra_reason(error: Exception) -> str:
+    """Hydra's whole message on one line (its first line alone often lacks the reason)."""
+    reason = " ".join(" ".join(line.split()) for line in str(error).splitlines() if line.strip())
+    cause = error.__cause__
+    if cause is not None and str(cause).strip() and str(cause).split()[0] not in reason:
+        reason += f" ({' '.join(str(cause).split())})"
+    return reason
 
 
 def pin_run_dir(overrides: list[str]) -> list[str]:
@@ -134,42 +166,10 @@ def pin_run_dir(overrides: list[str]) -> list[str]:
     The pinned path keeps conf/config.yaml's ``p3d.rank0_dir`` wrapper: ranks other than 0 still
     make no folder of their own (other nodes' launchers may have read another second).
     """
-    if any(sweep.key_of(o) == "run_dir" for o in overrides):
+    if given_run_dir(overrides) is not None:
         return overrides
     return [*(o for o in overrides if sweep.key_of(o) != "hydra.run.dir"), run_dir_override(hydra_run_dir(overrides))]
 
-
-def run_dir_override(path: str | os.PathLike) -> str:
-    """The override that makes ``path`` the run's output dir (and so its run_dir) on rank 0."""
-    path = os.path.abspath(path)
-    quoted = path.replace("\\", "\\\\").replace("'", "\\'")  # an OmegaConf quoted string: any path
-    return f"hydra.run.dir=${{p3d.rank0_dir:'{quoted}'}}"
-
-
-def register_rank0_dir() -> None:
-    from omegaconf import OmegaConf
-
-    from parallel3d.train import rank0_dir
-
-    if not OmegaConf.has_resolver("p3d.rank0_dir"):
-        OmegaConf.register_new_resolver("p3d.rank0_dir", rank0_dir)
-
-
-def hydra_run_dir(overrides: list[str]) -> str:
-    """``hydra.run.dir`` as rank 0 of a run started now with these overrides would resolve it."""
-    return str(hydra_settings(overrides).run.dir)
-
-
-def hydra_settings(overrides: list[str]):
-    """The ``hydra`` node of the config these overrides compose, resolved now (timestamps included)."""
-    from hydra import compose, initialize_config_dir
-
-    from parallel3d.config import CONF_DIR, register_configs
-
-    register_configs()
-    register_rank0_dir()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra
 
 if __name__ == "__main__":
     main()

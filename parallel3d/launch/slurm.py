@@ -30,8 +30,11 @@ import sys
 from pathlib import Path
 
 from parallel3d.launch import sweep
-from parallel3d.launch.run import EXIT_CONFIG_ERROR, exit_if_invalid, hydra_run_dir, pin_run_dir
+from parallel3d.launch.run import EXIT_CONFIG_ERROR, exit_if_invalid, hydra_reason, hydra_run_dir, pin_run_dir
+from parallel3d.rundir import given_run_dir
 
+# torchrun's default set plus SIGUSR1, which it then passes on to its workers (it would die of it otherwise).
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # sbatch --time: [D-]HH[:MM[:SS]] or minutes
 
 
@@ -80,7 +83,8 @@ def render(s, overrides: list[str], run_dir: Path, job_name: str, workdir: Path)
     torchrun = [python, "-m", "torch.distributed.run", "--nnodes=$SLURM_JOB_NUM_NODES",
                 f"--nproc-per-node={ranks_per_node(s)}", "--rdzv-backend=c10d",
                 f'--rdzv-endpoint="$head:{s.rdzv_port}"', '--rdzv-id="$SLURM_JOB_ID"',
-                f"--max-restarts={s.max_restarts}", "-m", "parallel3d.train"]
+                f"--max-restarts={s.max_restarts}", *([f"--signals-to-handle={FORWARDED_SIGNALS}"] * s.requeue),
+                "-m", "parallel3d.train"]
     srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *map(shlex.quote, s.srun_args)]
     lines = ["#!/bin/bash", f"# Written by parallel3d-slurm for {run_dir}", *(f"#SBATCH {o}" for o in options), "",
              "set -eo pipefail", *s.setup, *(f"export {k}={shlex.quote(str(v))}" for k, v in env.items()), "",
@@ -89,9 +93,12 @@ def render(s, overrides: list[str], run_dir: Path, job_name: str, workdir: Path)
              'echo "parallel3d: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
              'rendezvous $head"']
     if s.requeue:  # Slurm signals the batch shell only while it waits, so srun runs in the background
-        lines += ['trap \'echo "parallel3d: time limit near, requeueing"; scontrol requeue "$SLURM_JOB_ID"\' USR1']
+        # The chain (docs/troubleshooting.md): USR1 -> srun -> torchrun (--signals-to-handle) -> each
+        # rank finishes its step and saves a checkpoint (exit 75); then the job requeues itself.
+        lines += ['trap \'echo "parallel3d: time limit near: saving a checkpoint, then requeueing"; '
+                  'kill -USR1 "$srun_pid"; wait "$srun_pid" || true; scontrol requeue "$SLURM_JOB_ID"\' USR1']
     command = " \\\n    ".join(" ".join(part) for part in (srun, torchrun, map(shlex.quote, overrides)))
-    lines += (["", f"{command} &", "wait $!"] if s.requeue else ["", command])
+    lines += (["", f"{command} &", "srun_pid=$!", "wait $srun_pid"] if s.requeue else ["", command])
     return "\n".join(lines) + "\n"
 
 
@@ -100,7 +107,7 @@ def prepare(overrides: list[str], run_dir: Path | None) -> tuple[Path, str]:
     from parallel3d.config import compose
 
     cfg = compose(overrides)
-    run_dir = run_dir or Path(os.path.abspath(_given_run_dir(overrides) or hydra_run_dir(overrides)))
+    run_dir = run_dir or Path(os.path.abspath(given_run_dir(overrides) or hydra_run_dir(overrides)))
     overrides = [o for o in overrides if sweep.key_of(o) != "run_dir"] + [f"run_dir={run_dir}"]
     job_name = cfg.slurm.job_name or cfg.recipe or "parallel3d"
     text = render(cfg.slurm, pin_run_dir(overrides), run_dir, job_name, Path.cwd())
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             s = compose(job.overrides).slurm
         except (HydraException, OmegaConfBaseException) as e:  # a misspelled key, say: one line
-            s, problem = None, " ".join(str(e).split("\n")[:2])
+            s, problem = None, hydra_reason(e)
         else:
             problem = check_slurm(s)
         if problem:
@@ -160,11 +167,6 @@ def main(argv: list[str] | None = None) -> None:
         job_id = submit(script)
         print(f"parallel3d: submitted job {job_id}{' ' + job.label if multirun else ''}, "
               f"log {script.parent / (job_id + '.out')}")
-
-
-def _given_run_dir(overrides: list[str]) -> str | None:
-    given = [o.split("=", 1)[1] for o in overrides if sweep.key_of(o) == "run_dir"]
-    return given[-1] if given else None
 
 
 if __name__ == "__main__":

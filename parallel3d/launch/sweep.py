@@ -16,7 +16,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-MULTIRUN_FLAGS = ("-m", "--multirun")
+from parallel3d.rundir import MULTIRUN_FLAGS, given_run_dir, hydra_settings, key_of, run_dir_override
+
+__all__ = ["MULTIRUN_FLAGS", "Job", "expand", "key_of", "plan", "record", "sweep_dir"]
 
 
 @dataclass
@@ -46,12 +48,10 @@ def plan(overrides: list[str]) -> list[Job]:
     The root is ``run_dir`` when the sweep sets one, else ``hydra.sweep.dir`` resolved once, now
     (its default holds a timestamp).
     """
-    from parallel3d.launch.run import run_dir_override
-
-    given = [o for o in overrides if key_of(o) == "run_dir"]
+    given = given_run_dir(overrides)
     overrides = [o for o in overrides if key_of(o) not in ("run_dir", "hydra.run.dir")]
     jobs = expand(overrides)
-    root = Path(os.path.abspath(given[-1].split("=", 1)[1] if given else sweep_dir(jobs[0][0])))
+    root = Path(os.path.abspath(given if given is not None else sweep_dir(jobs[0][0])))
     return [Job([*job, run_dir_override(root / str(n))], root / str(n), " ".join(varies))
             for n, (job, varies) in enumerate(jobs)]
 
@@ -67,9 +67,4 @@ def record(jobs: list[Job]) -> Path:
 
 def sweep_dir(overrides: list[str]) -> str:
     """``hydra.sweep.dir`` as Hydra would resolve it for a sweep started now."""
-    from parallel3d.launch.run import hydra_settings
-
     return str(hydra_settings(overrides).sweep.dir)
-
-def key_of(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+")

@@ -1,0 +1,146 @@
+"""Which checkpoint a run continues from, and what the new config changes about it.
+
+A checkpoint restores state (weights, optimizer moments, RNG, data position, the step); the
+config decides everything else, the learning-rate schedule included (optim.set_schedule_step).
+Before anything is loaded each candidate is checked cheaply (meta.json parses, every safetensors
+file is as long as its header says), so a corrupt newest checkpoint is skipped for the previous
+complete one with a message, instead of failing deep inside DCP with a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import yaml
+
+from parallel3d.checkpoint import META, complete_steps, find_checkpoint
+from parallel3d.faults import RunError
+
+# Keys that differ between any two starts and say nothing about training.
+UNCOMPARED = ("run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.create_seed")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What is wrong with the files of checkpoint ``path``, or None (a cheap, local check)."""
+    try:
+        meta = json.loads((path / META).read_text())
+        if not {"step", "model_only"} <= meta.keys():
+            return f"{path / META} lacks step or model_only"
+    except (OSError, ValueError) as e:
+        return f"{path / META} is unreadable ({type(e).__name__})"
+    shards = sorted(path.rglob("*.safetensors"))
+    if not [s for s in shards if s.parent == path]:
+        return f"{path} has no shard-*.safetensors file"
+    for shard in shards:
+        problem = safetensors_problem(shard)
+        if problem:
+            return f"{shard} {problem}"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """A safetensors file is an 8-byte header length, a JSON header, then the tensors' bytes: the
+    header's largest end offset must be exactly where the file ends."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if 8 + length > size:
+                return f"is truncated ({size} bytes, header alone says {8 + length})"
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as e:
+        return f"has a corrupt header ({type(e).__name__})"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        return f"is {size} bytes, its header says {expected} (truncated or overwritten)"
+    return None
+
+
+def pick_checkpoint(root: Path, resume: str, announce: bool) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names, checked. Under ``auto`` a corrupt newest one is
+    skipped for the previous complete one (said on the console when ``announce``)."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        path = find_checkpoint(Path(resume).expanduser())
+        if path is None:
+            raise RunError(f"checkpoint.resume={resume}: no complete checkpoint there. Fix: name a step_<N> "
+                           f"folder, a checkpoints/ folder or a run_dir, or use checkpoint.resume=auto")
+        problem = checkpoint_problem(path)
+        if problem:
+            raise RunError(f"checkpoint.resume={resume}: {problem}. Fix: name an earlier checkpoint")
+        return path
+    problems = []
+    for step in reversed(complete_steps(root)):
+        path = root / f"step_{step}"
+        problems.append(checkpoint_problem(path))
+        if problems[-1] is None:
+            return path
+        if announce:
+            print(f"parallel3d: skipping corrupt checkpoint {path}: {problems[-1]}; trying the previous one",
+                  file=sys.stderr, flush=True)
+    if problems:  # never a silent fresh start over a run whose checkpoints are all damaged
+        raise RunError(f"every checkpoint in {root} is corrupt (newest: {problems[0]}). Fix: "
+                       f"checkpoint.resume=none to start afresh (the old run is moved aside)")
+    return None
+
+
+def check_not_past_end(path: Path, steps: int) -> int:
+    """The step of checkpoint ``path``; refuses one past ``train.steps`` (nothing would train)."""
+    meta = json.loads((path / META).read_text())
+    if meta["model_only"]:
+        return 0
+    if meta["step"] > steps:
+        raise RunError(f"checkpoint {path} is at step {meta['step']}, past train.steps={steps}: nothing to train. "
+                       f"Fix: set train.steps above {meta['step']}, or checkpoint.resume=none to start afresh "
+                       f"(the old run is moved aside)")
+    return meta["step"]
+
+
+def config_changes(saved_yaml: str, current_yaml: str) -> list[str]:
+    """``key old -> new`` for every value the current config changes against the checkpoint's."""
+    old, new = _flatten(yaml.safe_load(saved_yaml) or {}), _flatten(yaml.safe_load(current_yaml) or {})
+    keys = sorted(k for k in old.keys() | new.keys() if k not in UNCOMPARED and old.get(k) != new.get(k))
+    return [f"{k} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in keys]
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def report_changes(path: Path, current_yaml: str) -> None:
+    """Print what this start changes against checkpoint ``path``'s config (rank 0 calls it)."""
+    saved = path / "config.yaml"
+    if not saved.is_file():
+        return
+    changes = config_changes(saved.read_text(), current_yaml)
+    if changes:
+        print(f"parallel3d: resuming {path.name} with a changed config (it applies from the next step): "
+              f"{', '.join(changes)}", flush=True)
+
+
+def check_hf_weights(path: Path) -> None:
+    """Every safetensors file a Hugging Face folder's index names is there and whole."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise RunError(f"{index} is corrupt ({type(e).__name__}). Fix: download the model again") from e
+    else:
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    for name in names:
+        shard = path / name
+        problem = "is missing" if not shard.is_file() else safetensors_problem(shard)
+        if problem:
+            raise RunError(f"checkpoint.init_from={path}: {shard} {problem}. Fix: download the model again")

@@ -1,0 +1,272 @@
+"""The fault battery, end to end: real runs that hit one failure each and must say so in one line
+(naming the file and the fix), keep the traceback in run_dir/logs, and lose nothing.
+
+One 4-step run with checkpoints at steps 2 and 4 is trained once; each fault works on a copy.
+Most faults fail before training starts, so the file stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, Run, env, launch
+from parallel3d.optim import lr_factor
+
+BASE = [*FAST, "train.steps=4", "checkpoint.every=2"]
+
+
+def assert_one_line_error(run, *needles: str) -> str:
+    """The run failed with one parallel3d line naming ``needles``, no traceback on the console."""
+    assert run.returncode != 0, run.stdout[-2000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("parallel3d: error")]
+    assert len(lines) == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("faults") / "trained"
+    launch(run_dir, BASE).assert_finished(4)
+    return run_dir
+
+
+def copy_of(trained: Path, tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    return run_dir
+
+
+def test_corrupt_newest_checkpoint_half_written_metrics_and_a_new_schedule(trained, tmp_path):
+    """Auto-resume skips a truncated step_4 for step_2, saying so; a half-written last line of
+    metrics.jsonl does not block it; the changed optim.lr and train.steps decide the learning rate
+    from the next step on (a pure function of step and config), and the run prints what changed."""
+    run_dir = copy_of(trained, tmp_path)
+    shard = sorted((run_dir / "checkpoints" / "step_4").glob("shard-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
+    lr = 1e-3
+    run = launch(run_dir, [*FAST, "train.steps=6", "checkpoint.every=2", f"optim.lr={lr}"])
+    run.assert_finished(6)
+    assert f"skipping corrupt checkpoint {run_dir / 'checkpoints' / 'step_4'}" in run.stderr
+    assert shard.name in run.stderr and "truncated" in run.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_2'}" in run.stdout
+    assert "dropped unreadable line 5" in run.stderr
+    changed = next(line for line in run.stdout.splitlines() if "changed config" in line)
+    assert "optim.lr 0.003 -> 0.001" in changed and "train.steps 4 -> 6" in changed
+    assert [row["step"] for row in run.metrics] == [1, 2, 3, 4, 5, 6]
+    for row in run.metrics[2:]:  # LambdaLR counts from 0: step s runs at factor(s - 1)
+        expected = lr * lr_factor(row["step"] - 1, steps=6, warmup=2, schedule="cosine", min_ratio=0.1,
+                                  decay_fraction=0.2)
+        assert row["lr"] == pytest.approx(expected, rel=1e-9), row
+
+
+def test_checkpoint_past_train_steps_is_one_line_with_the_traceback_in_the_log(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    run = launch(run_dir, [*FAST, "train.steps=3"])
+    line = assert_one_line_error(run, "step_4", "past train.steps=3", "Fix:")
+    assert str(run_dir / "logs" / "rank0.log") in line
+    assert "Traceback" in (run_dir / "logs" / "rank0.log").read_text()
+    assert not (run_dir / ".lock").exists()  # released on failure too
+
+
+def test_a_live_run_dir_is_refused_naming_its_holder(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        (run_dir / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid}))
+        run = launch(run_dir, [*FAST, "train.steps=6"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert_one_line_error(run, f"in use by the run of pid {holder.pid}", "Fix:")
+    assert [row["step"] for row in run.metrics] == [1, 2, 3, 4]  # nothing written by the refused run
+
+
+def test_vocabulary_larger_than_the_model_names_the_token_file(tmp_path):
+    from parallel3d.data import write_token_file
+
+    class WideTokenizer:  # ids up to 999 against model.vocab_size=512
+        name, vocab_size, eos_id = "wide", 1000, 999
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    path = write_token_file(["hello world " * 400], WideTokenizer(), tmp_path / "data" / "wide.bin")
+    run = launch(tmp_path / "run", [*FAST, "data.source=file", f"data.path={path}"])
+    assert_one_line_error(run, str(path), "vocabulary of 1000", "model.vocab_size=1000")
+
+
+def test_an_unwritable_run_dir_is_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    run_dir = tmp_path / "a_file" / "run"
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.train", f"run_dir={run_dir}", *FAST],
+                          capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
+    run = Run(run_dir, proc.returncode, proc.stdout, proc.stderr)
+    assert_one_line_error(run, "not writable", "Fix: set run_dir=")
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_for_a_requeue(tmp_path):
+    """Preemption: the step in flight completes, a checkpoint of it is written (checkpoint.every=0:
+    none otherwise), exit 75; the next start resumes from it."""
+    run_dir = tmp_path / "run"
+    args = [*FAST, "train.steps=400", f"run_dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-m", "parallel3d.train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(), cwd=tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert 2 <= last < 400
+    assert (run_dir / "checkpoints" / f"step_{last}" / "COMPLETE").is_file()
+    assert f"stopped by SIGTERM after step {last}; checkpoint {run_dir / 'checkpoints' / f'step_{last}'}" in err
+    assert "SIGTERM during step" in err and not (run_dir / ".lock").exists()
+
+
+@pytest.mark.multirank
+def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
+    """torchrun forwards SIGTERM to its workers; they agree on the step (one all_reduce per step)
+    and save it (dp2: each rank writes its shards), then exit 75."""
+    run_dir = tmp_path / "run"
+    args = [*FAST, "train.steps=400", "parallel.dp_shard=2", f"run_dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "parallel3d.train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env(), cwd=tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert (run_dir / "checkpoints" / f"step_{last}" / "COMPLETE").is_file(), err[-3000:]
+    assert f"stopped by SIGTERM after step {last}" in err
+    assert "exitcode  : 75" in err or "exitcode: 75" in err or "exit 75" in err
+
+
+def test_stop_signals_agree_ctrl_c_twice_exits_at_once(tmp_path, capsys):
+    from parallel3d.faults import StopSignals
+
+    (tmp_path / "checkpoints" / "step_3").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_3" / "COMPLETE").write_text("")
+    stop = StopSignals(tmp_path / "checkpoints").install()
+    try:
+        assert not stop.should_stop(4)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.should_stop(5)
+        err = capsys.readouterr().err
+        assert f"Ctrl-C during step 5 (last checkpoint: {tmp_path / 'checkpoints' / 'step_3'})" in err
+        assert "Ctrl-C again to exit now" in err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_plan_layout_gpu_memory_is_gib_without_a_unit():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from plan_layout import parse_bytes
+
+    assert parse_bytes("80") == parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("1024B") == 1024
+
+
+RESTART_PROBE = """
+import os
+from datetime import timedelta
+import torch, torch.distributed as dist
+from parallel3d.faults import attempt_store
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+dist.init_process_group("gloo", store=attempt_store(timedelta(seconds=30)), rank=rank,
+                        world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=30))
+total = torch.ones(1)
+dist.all_reduce(total)
+if attempt == 0:  # the first attempt's group formed; rank 1 dies, torchrun restarts both
+    dist.barrier()
+    if rank == 1:
+        os._exit(1)
+    dist.barrier()
+print(f"attempt {attempt} rank {rank} sum {total.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_plain_torchrun_restarts_form_a_fresh_group(tmp_path):
+    """pytorch#135712: without a store prefix per attempt, attempt 1 reads attempt 0's addresses
+    from torchrun's shared store and gloo fails with "Connection refused" (measured with this probe
+    and store=None). No TORCH_DISABLE_SHARE_RDZV_TCP_STORE in the environment."""
+    (tmp_path / "probe.py").write_text(RESTART_PROBE)
+    environ = {k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "--max-restarts=1", "probe.py"], capture_output=True, text=True, cwd=tmp_path,
+                          env=environ, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("attempt")) == [
+        "attempt 1 rank 0 sum 2.0", "attempt 1 rank 1 sum 2.0"]
+
+
+def test_a_hydra_multirun_goes_on_past_a_failed_job_and_reports_it(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-m", "parallel3d.train", "--multirun", *FAST, "train.steps=2",
+                           "optim.warmup_steps=1", "train.global_batch_size=15,16", f"hydra.sweep.dir={sweep}"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env(), timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "parallel3d: sweep job 0 failed (exit 2)" in done.stderr  # 15 sequences: not divisible
+    assert done.stderr.rstrip().endswith("parallel3d: sweep jobs [0] failed")
+    assert len((sweep / "1" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_dry_run_tool_shows_its_progress_rank_by_rank(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import dry_run
+
+    assert dry_run.main(["parallel.pp=2", "train.seq_len=32", "--world-size", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "dry run: rank 0 (1 of 2)" in err and "dry run: rank 1 (2 of 2)" in err
+
+
+def test_empty_or_truncated_token_data_is_named(tmp_path):
+    from types import SimpleNamespace
+
+    from parallel3d.data import ByteTokenizer, TokenFile, write_token_file
+    from parallel3d.faults import RunError, check_corpus
+
+    path = write_token_file(["tiny"], ByteTokenizer(), tmp_path / "tiny.bin")
+    with pytest.raises(RunError, match=f"{path} holds 5 tokens, fewer than one sequence of train.seq_len=64"):
+        check_corpus(TokenFile(path), 512, 64, SimpleNamespace(path=str(path)))
+    path.write_bytes(path.read_bytes()[:-2])
+    with pytest.raises(RunError, match=f"{path} is 8 bytes but tiny.json says 10"):
+        TokenFile(path)
+
+
+def test_warnings_of_other_ranks_go_to_their_log_file(tmp_path, monkeypatch, capsys):
+    import warnings
+
+    from parallel3d.faults import warnings_to_log
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after the test
+    log = tmp_path / "rank1.log"
+    warnings_to_log(log)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("every rank says this")
+    assert "every rank says this" not in capsys.readouterr().err
+    assert "UserWarning: every rank says this" in log.read_text()

@@ -1,0 +1,80 @@
+"""Choosing the checkpoint to resume: checked files, the fallback, the config diff, the schedule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from parallel3d.config import OptimConfig
+from parallel3d.faults import RunError
+from parallel3d.optim import build_lr_scheduler, lr_factor, set_schedule_step
+from parallel3d.resume import (check_hf_weights, check_not_past_end, checkpoint_problem, config_changes,
+                               pick_checkpoint)
+
+
+def fake_checkpoint(root, step: int, model_only: bool = False):
+    path = root / f"step_{step}"
+    (path / "rng").mkdir(parents=True)
+    save_file({"w": torch.ones(4)}, str(path / "shard-00001.safetensors"))
+    (path / "meta.json").write_text(json.dumps({"step": step, "model_only": model_only}))
+    (path / "COMPLETE").write_text("")
+    return path
+
+
+def test_corrupt_files_are_found_and_auto_resume_falls_back(tmp_path, capsys):
+    good, newest = fake_checkpoint(tmp_path, 2), fake_checkpoint(tmp_path, 4)
+    assert checkpoint_problem(good) is None
+    (newest / "meta.json").write_text('{"step": 4, "mod')
+    assert "meta.json is unreadable" in checkpoint_problem(newest)
+    assert pick_checkpoint(tmp_path, "auto", announce=True) == good
+    assert f"skipping corrupt checkpoint {newest}" in capsys.readouterr().err
+    shard = good / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-3])
+    assert "is truncated" in checkpoint_problem(good) or "header says" in checkpoint_problem(good)
+    with pytest.raises(RunError, match=f"every checkpoint in {tmp_path} is corrupt .*resume=none"):
+        pick_checkpoint(tmp_path, "auto", announce=False)
+    assert pick_checkpoint(tmp_path / "nothing", "auto", announce=False) is None
+    with pytest.raises(RunError, match=f"checkpoint.resume={good}: .*shard-00001.safetensors.*Fix"):
+        pick_checkpoint(tmp_path, str(good), announce=False)
+
+
+def test_a_checkpoint_past_train_steps_is_refused(tmp_path):
+    path = fake_checkpoint(tmp_path, 8)
+    assert check_not_past_end(path, 8) == 8
+    with pytest.raises(RunError, match="at step 8, past train.steps=5.*Fix: set train.steps above 8"):
+        check_not_past_end(path, 5)
+    assert check_not_past_end(fake_checkpoint(tmp_path, 9, model_only=True), 5) == 0
+
+
+def test_config_changes_name_each_key():
+    old = "optim:\n  lr: 0.003\ntrain:\n  steps: 4\nrun_dir: /a\n"
+    new = "optim:\n  lr: 0.001\ntrain:\n  steps: 4\n  seed: 1\nrun_dir: /b\n"
+    assert config_changes(old, new) == ["optim.lr 0.003 -> 0.001", "train.seed (unset) -> 1"]
+
+
+def test_the_schedule_is_a_pure_function_of_step_and_config():
+    """A scheduler set to step 6 of a new config gives that config's lr, whatever it was built at."""
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=3e-3)
+    scheduler = build_lr_scheduler(optimizer, OptimConfig(lr=3e-3, warmup_steps=2), steps=8)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    set_schedule_step(scheduler, 6)
+    expected = 3e-3 * lr_factor(6, steps=8, warmup=2, schedule="cosine", min_ratio=0.1, decay_fraction=0.2)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(expected) == scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] == pytest.approx(
+        3e-3 * lr_factor(7, steps=8, warmup=2, schedule="cosine", min_ratio=0.1, decay_fraction=0.2))
+
+
+def test_a_missing_hugging_face_shard_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(RunError, match="model-00002-of-00002.safetensors is missing. Fix: download"):
+        check_hf_weights(tmp_path)

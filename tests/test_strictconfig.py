@@ -1,0 +1,36 @@
+"""Keys outside the schema, broken and external recipe files, Hydra's whole reason in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel3d.config import compose
+from parallel3d.launch.run import first_config_error, take_recipes_dir
+from parallel3d.strictconfig import RECIPES_ENV, RecipeError
+from parallel3d.validate import ConfigError, check
+
+
+def test_a_key_added_with_plus_is_refused_with_the_nearest_key():
+    with pytest.raises(ConfigError, match=r"^train.stepz=10: not a key of the config schema. Fix: use train.steps.$"):
+        check(compose(["+train.stepz=10"]), 1)
+    with pytest.raises(ConfigError, match="^wandb_project=x"):
+        check(compose(["+wandb_project=x"]), 1)
+    check(compose(["+slurm.env.NCCL_DEBUG=INFO"]), 1)  # a free-form map takes any key
+
+
+def test_parallel3d_run_shows_hydras_whole_reason():
+    error = first_config_error(["train.stepz=10"], [1])
+    assert "Key 'stepz' not in 'TrainConfig'" in error and "\n" not in error
+
+
+def test_a_broken_recipe_breaks_only_the_run_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "broken.yaml").write_text("train:\n  steps: [\n")
+    (tmp_path / "mine.yaml").write_text("# @package _global_\ntrain:\n  steps: 7\nrecipe: mine\n")
+    argv = take_recipes_dir(["--recipes-dir", str(tmp_path), "--nproc-per-node=1", "recipe=mine"])
+    assert argv == ["--nproc-per-node=1", "recipe=mine"]
+    monkeypatch.setenv(RECIPES_ENV, str(tmp_path))  # what take_recipes_dir exported, undone after the test
+    assert compose(["recipe=mine"]).train.steps == 7
+    assert compose(["recipe=tiny_cpu"]).recipe == "tiny_cpu"
+    with pytest.raises(RecipeError, match=f"^recipe=broken: {tmp_path / 'broken.yaml'}: .*Fix: correct that YAML"):
+        compose(["recipe=broken"])
+    assert first_config_error(["recipe=broken"], [1]).startswith(f"recipe=broken: {tmp_path / 'broken.yaml'}")
