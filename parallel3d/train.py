@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
-from parallel3d.data import BatchSpec, StepSampler, open_corpus
+from parallel3d.data import BatchSpec, Prefetcher, Workers, build_train_data
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
@@ -133,13 +133,11 @@ def train(cfg: DictConfig) -> Path:
             print(f"parallel3d: seed checkpoint written to {checkpointer.root / 'step_0'}", flush=True)
         return run_dir
 
-    if is_rank0:  # rank 0 tokenizes the default corpus once; the others then read its cache
-        corpus = open_corpus(c.data)
-    if dist.is_initialized():
-        dist.barrier()
-    if not is_rank0:
-        corpus = open_corpus(c.data)
-    sampler = StepSampler(corpus.tokens, spec, t.seed, offset=data_offset)
+    # Ranks split the tokenization of data.sources (or rank 0 builds the default corpus), then wait.
+    workers = Workers(rank(), world_size, dist.barrier if dist.is_initialized() else None)
+    corpus, sampler = build_train_data(c.data, c.eval, spec, t.seed, data_offset, workers)  # corpus.eos_id: documents
+    batches = Prefetcher(sampler, start_step + 1, t.steps)  # the next step's batches, while this one runs
+    data_wait_s = 0.0
 
     flops = flops_per_token(c.model, t.seq_len)
     peak = peak_flops(device, t.param_dtype)
@@ -159,8 +157,10 @@ def train(cfg: DictConfig) -> Path:
     for step in range(start_step + 1, t.steps + 1):
         checkpointer.poll()
         lr = scheduler.get_last_lr()[0]
+        micro_batches, waited = batches.get(step)
+        data_wait_s += waited
         loss_sum, grad_norm = train_step(c, meshes, device, model, pipeline, tied, optimizer, scheduler,
-                                         sampler.micro_batches(step), token_loss)
+                                         micro_batches, token_loss)
         if not state_bytes:  # the first step (of this process): the optimizer state now exists
             state_bytes = model_state_bytes(model, optimizer)
         model.zero_grad(set_to_none=True)
@@ -180,6 +180,7 @@ def train(cfg: DictConfig) -> Path:
                                        f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
             elapsed = time.perf_counter() - since
             step_time, tokens_per_sec = elapsed / steps_since, global_tokens * steps_since / elapsed
+            steps_logged = steps_since
             since, steps_since = time.perf_counter(), 0
             per_rank_max = torch.tensor([max_memory_bytes(device), *state_bytes.values()], dtype=torch.float64,
                                         device=device)  # NCCL reduces device tensors only
@@ -191,12 +192,15 @@ def train(cfg: DictConfig) -> Path:
                 "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
                 "mfu": tokens_per_sec * flops / (peak * world_size) if peak else None,
                 "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])),
+                "data_wait_s": data_wait_s / steps_logged, **sampler.tokens_consumed(step),
             })
+            data_wait_s = 0.0
         every = c.checkpoint.every
         if every and (step % every == 0 or step == t.steps):
             layout = {**dims.sizes(), "zero_stage": c.parallel.zero_stage, "pp_schedule": c.parallel.pp_schedule}
             checkpointer.save(step, state, {"samples_seen": sampler.samples_seen(step), "layout": layout,
                                             "global_batch_size": t.global_batch_size}, config_yaml)
+    batches.close()
     checkpointer.wait()
     progress.close()
     logger.close()

@@ -53,6 +53,9 @@ def check(cfg, world_size: int, device: str | None = None) -> None:
     _check_pipeline(cfg.parallel, cfg.train, cfg.model)
     _check_optim(cfg.optim, cfg.train.steps)
     _check_data(cfg.data, cfg.model)
+    from parallel3d.data.checks import check_data  # data sources, weights, eval (imports this module)
+
+    check_data(cfg)
     _check_logging(cfg.logging)
     _check_checkpoint(cfg.checkpoint, cfg.model, _run_dir(cfg))
 
