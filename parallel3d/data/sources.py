@@ -29,7 +29,11 @@ class DataError(ConfigError):
     """Input data that cannot be trained on: names the file, the line or row, and the fix."""
 
     def __init__(self, where: str, problem: str, fix: str):
+        self.where, self.problem, self.fix = where, problem, fix
         super().__init__("data.sources", where, problem, fix)
+
+    def __reduce__(self):  # raised in a prepare_data.py worker process, re-raised in its parent
+        return DataError, (self.where, self.problem, self.fix)
 
 
 @dataclass(frozen=True)
