@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from parallel3d.errors import ConfigError  # defined apart so that data/ can raise it without a cycle
+
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LR_SCHEDULES = ("cosine", "wsd", "constant")
@@ -25,14 +27,6 @@ ACCELERATE_STRATEGIES = {
     "HYBRID_SHARD_ZERO2": (2, True),
     "HYBRID_SHARD": (3, True),
 }
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run, explained for the person who wrote it."""
-
-    def __init__(self, key: str, value: object, problem: str, fix: str):
-        self.key, self.value = key, value
-        super().__init__(f"{key}={value}: {problem}. Fix: {fix}.")
 
 
 def divisors(n: int) -> list[int]:

@@ -32,7 +32,7 @@ from parallel3d.data import TokenFile, load_tokenizer, text_files, write_token_f
 from parallel3d.data.shards import shard_files, tokenize_shard
 from parallel3d.data.sources import resolve
 from parallel3d.progress import Progress
-from parallel3d.validate import ConfigError
+from parallel3d.errors import ConfigError
 
 TMP_FILE = re.compile(r"^\..+\.(\d+)(\.json)?\.tmp$")  # write_token_file's temporary names carry the pid
 

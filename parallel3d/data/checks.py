@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from parallel3d.data.sources import DataError, Shard, resolve
-from parallel3d.validate import ConfigError
+from parallel3d.errors import ConfigError
 
 
 def check_data(cfg) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel3d.validate import ConfigError
+from parallel3d.errors import ConfigError
 
 JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 PARQUET_SUFFIXES = (".parquet",)
