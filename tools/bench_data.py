@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import sysconfig
@@ -54,11 +55,13 @@ def train_tokenizer(out: Path, sample: list[str]) -> Path:
     return out
 
 
-def batch_encode_rate(tokenizer_path: Path, texts: list[str], threads: str) -> float:
-    """Tokens/s of Tokenizer.encode_batch, in a fresh process (the thread setting is read once)."""
+def batch_encode_rate(tokenizer_path: Path, texts: list[str], threads: str) -> tuple[float, float]:
+    """Tokens per wall second and per CPU second of Tokenizer.encode_batch, in a fresh process
+    (the thread setting is read once)."""
     code = ("import sys,time,json; from tokenizers import Tokenizer; t=Tokenizer.from_file(sys.argv[1]); "
-            "x=json.load(open(sys.argv[2])); s=time.perf_counter(); e=t.encode_batch(x, add_special_tokens=False); "
-            "print(sum(len(i.ids) for i in e)/(time.perf_counter()-s))")
+            "x=json.load(open(sys.argv[2])); s=time.perf_counter(); c=time.process_time(); "
+            "e=t.encode_batch(x, add_special_tokens=False); n=sum(len(i.ids) for i in e); "
+            "print(n/(time.perf_counter()-s), n/(time.process_time()-c))")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(texts, f)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false" if threads == "1" else "true"}
@@ -66,17 +69,24 @@ def batch_encode_rate(tokenizer_path: Path, texts: list[str], threads: str) -> f
         env.pop("RAYON_NUM_THREADS", None)
     out = subprocess.run([sys.executable, "-c", code, str(tokenizer_path), f.name], capture_output=True, text=True,
                          env=env, check=True)
-    return float(out.stdout)
+    wall, cpu = out.stdout.split()
+    return float(wall), float(cpu)
 
 
-def prepare_rate(sources: list[str], tokenizer: Path, workers: int, cache: Path) -> float:
-    start = time.perf_counter()
-    out = subprocess.run([sys.executable, "tools/prepare_data.py", *[a for s in sources for a in ("--source", s)],
+def prepare_rate(sources: list[str], tokenizer: Path, workers: int, cache: Path) -> tuple[float, float]:
+    """Tokens per wall second and per CPU second (the tool and its workers, start-up included)."""
+    start, cpu = time.perf_counter(), _children_cpu_s()
+    subprocess.run([sys.executable, "tools/prepare_data.py", *[a for s in sources for a in ("--source", s)],
                           "--cache-dir", str(cache), "--workers", str(workers), "--tokenizer", str(tokenizer)],
                          cwd=ROOT, capture_output=True, text=True, check=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    wall, cpu = time.perf_counter() - start, _children_cpu_s() - cpu
     tokens = sum(json.loads(p.read_text())["num_tokens"] for p in cache.glob("*.json"))
-    del out
-    return tokens / (time.perf_counter() - start)
+    return tokens / wall, tokens / cpu
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # waited-for descendants: the pool's workers too
+    return usage.ru_utime + usage.ru_stime
 
 
 def data_wait(sources: list[str], tokenizer: Path, cache: Path, steps: int, run_dir: Path) -> tuple[float, float]:
@@ -103,14 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = train_tokenizer(root / "tokenizer.json", first[:200])
         print(f"corpus: {args.shards} jsonl shards of ~{args.mb_per_shard} MB (stdlib sources), BPE 8k tokenizer; "
               f"{os.cpu_count()} cores\n")
-        print("| what | tokens/s |\n|---|---:|")
+        print("| what | tokens per wall second | tokens per CPU second |\n|---|---:|---:|")
         for threads in ("1", "all"):
-            rate = batch_encode_rate(tokenizer, first, threads)
+            wall, cpu = batch_encode_rate(tokenizer, first, threads)
             print(f"| Tokenizer.encode_batch, {threads} thread{'s' if threads != '1' else ''} (shard 0 in memory) "
-                  f"| {rate:,.0f} |")
+                  f"| {wall:,.0f} | {cpu:,.0f} |")
         for workers in args.workers:
-            rate = prepare_rate(sources, tokenizer, workers, root / f"cache-{workers}")
-            print(f"| prepare_data.py --workers {workers} (read + encode + write, {args.shards} shards) | {rate:,.0f} |")
+            wall, cpu = prepare_rate(sources, tokenizer, workers, root / f"cache-{workers}")
+            print(f"| prepare_data.py --workers {workers} (read + encode + write, {args.shards} shards) "
+                  f"| {wall:,.0f} | {cpu:,.0f} |")
         wait, step = data_wait(sources, tokenizer, root / "cache-1", args.steps, root / "run")
         print(f"\ndata wait per step (tiny model, seq 256, batch 16, one process, steps 2-{args.steps}): "
               f"{wait * 1e3:.2f} ms of a {step * 1e3:.0f} ms step")
