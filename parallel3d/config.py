@@ -123,7 +123,24 @@ class DataConfig:
     path: Optional[str] = None  # token file written by tools/prepare_data.py (source=file)
     tokenizer: str = "byte"  # byte, or a path to a Hugging Face tokenizer.json
     max_bytes: int = 8_000_000  # stdlib corpus: stop after this much text
-    cache_dir: str = "~/.cache/parallel3d"
+    cache_dir: str = "~/.cache/parallel3d"  # also where data.sources are tokenized to (keyed by content)
+    # Files to train on (docs/data.md): .jsonl/.jsonl.gz/.json, .parquet, folders or globs of them,
+    # datasets.save_to_disk folders, text folders. Empty: data.source (stdlib or a token file).
+    sources: list[str] = field(default_factory=list)
+    weights: Optional[list[float]] = None  # one per source; default: proportional to each source's tokens
+    text_field: str = "text"
+    document_masking: bool = False  # attention stays inside each document (block-causal)
+    reset_positions: bool = False  # RoPE positions restart at each document
+
+
+@dataclass
+class EvalConfig:
+    """Held-out data for validation loss (parallel3d/data/corpus.py open_eval_corpus)."""
+
+    sources: list[str] = field(default_factory=list)  # held-out files, read like data.sources
+    fraction: float = 0.0  # else: this fraction of data.sources' documents, held out by a stable hash
+    every: int = 0  # evaluate every N steps (and at the last step); 0: never
+    batches: int = 4  # global batches per evaluation
 
 
 @dataclass
@@ -192,6 +209,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

@@ -180,12 +180,16 @@ class StopSignals:
 def check_corpus(corpus, vocab_size: int, seq_len: int, data_cfg) -> None:
     """Refuse token data the model cannot train on, naming the file: too few tokens for one
     sequence, or ids from a vocabulary larger than model.vocab_size (an embedding lookup out of
-    range, or on a GPU a device-side assert, many steps later)."""
-    where = getattr(corpus, "path", data_cfg.path)
-    if len(corpus) < seq_len + 1:
-        raise RunError(f"{where} holds {len(corpus)} tokens, fewer than one sequence of train.seq_len={seq_len} "
-                       f"needs ({seq_len + 1}). Fix: prepare more data (tools/prepare_data.py) or lower train.seq_len")
-    data_vocab = corpus.meta.get("vocab_size")
+    range, or on a GPU a device-side assert, many steps later). ``corpus``: a TokenFile, or the
+    data.Corpus of several sources (whose files validation has already checked for vocabulary)."""
+    where = getattr(corpus, "path", None) or data_cfg.path or ", ".join(getattr(data_cfg, "sources", None) or [])
+    sources = getattr(corpus, "sources", None)
+    size = len(corpus) if sources is None else sum(len(a) for s in sources for a in s.arrays)
+    if size < seq_len + 1:
+        raise RunError(f"{where or 'the corpus'} holds {size} tokens, fewer than one sequence of "
+                       f"train.seq_len={seq_len} needs ({seq_len + 1}). Fix: prepare more data "
+                       f"(tools/prepare_data.py) or lower train.seq_len")
+    data_vocab = getattr(corpus, "meta", {}).get("vocab_size")
     if data_vocab is not None and data_vocab > vocab_size:
         raise RunError(f"{where} was tokenized with a vocabulary of {data_vocab}, larger than "
                        f"model.vocab_size={vocab_size}. Fix: set model.vocab_size={data_vocab} (or more), or "

@@ -27,7 +27,7 @@ from parallel3d import hf
 from parallel3d.base import ConfigError, resolve_device, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
-from parallel3d.data import StepSampler, open_corpus
+from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data
 from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, SweepFailures,
                                attempt_store, check_corpus, log_path, report_failure, warnings_to_log)
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
@@ -88,9 +88,10 @@ def train(cfg: DictConfig) -> Path:
     if c.checkpoint.create_seed:
         save_seed(checkpointer, setup, config_yaml, is_rank0)
         return run_dir
-    corpus = load_corpus(c.data, is_rank0)
+    # Ranks split the tokenization of data.sources (or rank 0 builds the default corpus), then wait.
+    workers = Workers(rank(), world_size, dist.barrier if dist.is_initialized() else None)
+    corpus, sampler = build_train_data(c.data, c.eval, setup.spec, c.train.seed, data_offset, workers)
     check_corpus(corpus, c.model.vocab_size, c.train.seq_len, c.data)
-    sampler = StepSampler(corpus.tokens, setup.spec, c.train.seed, offset=data_offset)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
     logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress)
@@ -101,15 +102,6 @@ def train(cfg: DictConfig) -> Path:
     if c.train.save_model:
         save_full_model(setup.parts, setup.meshes.pp, run_dir / "model.safetensors", is_rank0)
     return run_dir
-
-
-def load_corpus(data, is_rank0: bool):
-    """Rank 0 tokenizes the corpus (once, into the cache); the others then read its cache."""
-    if is_rank0:
-        corpus = open_corpus(data)
-    if dist.is_initialized():
-        dist.barrier()
-    return corpus if is_rank0 else open_corpus(data)
 
 
 def save_seed(checkpointer: Checkpointer, setup: Setup, config_yaml: str, is_rank0: bool) -> None:
@@ -146,6 +138,7 @@ class TrainLoop:
         self.progress.start(t.steps, done=start_step)
         # SIGTERM/SIGUSR1 (preemption) and Ctrl-C: finish the step, save, exit to be requeued.
         stop = StopSignals.for_run(self.checkpointer.root, rank() == 0, timedelta(seconds=t.dist_timeout_s)).install()
+        self.batches = Prefetcher(self.sampler, start_step + 1, t.steps)  # the next step's, while this one runs
         for step in range(start_step + 1, t.steps + 1):
             self.checkpointer.poll()
             lr = self.setup.scheduler.get_last_lr()[0]
@@ -159,13 +152,15 @@ class TrainLoop:
                 self.progress.close()
                 raise Stopped(step, self.checkpointer.root / f"step_{step}", stop.received)
         stop.restore()
+        self.batches.close()
         self.checkpointer.wait()
         self.progress.close()
         self.logger.close()
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        loss_sum, grad_norm = train_step(self.setup, self.sampler.micro_batches(step))
-        self.meter.stepped()  # measures the model state while the gradients still exist
+        micro_batches, waited = self.batches.get(step)
+        loss_sum, grad_norm = train_step(self.setup, micro_batches)
+        self.meter.stepped(waited)  # measures the model state while the gradients still exist
         self.setup.model.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
 
@@ -178,7 +173,8 @@ class TrainLoop:
             self.progress.close()  # end the bar's line before the error message
             raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
                                    f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
-        self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read()})
+        self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read(),
+                         **self.sampler.tokens_consumed(step)})
 
     def save_checkpoint(self, step: int, *_, force: bool = False) -> None:
         c = self.setup.config
@@ -210,17 +206,19 @@ class StepMeter:
         self.flops = flops_per_token(setup.config.model, t.seq_len)
         self.peak = peak_flops(setup.device, t.param_dtype)
         self.state_bytes: dict[str, int] = {}
-        self.since, self.steps = time.perf_counter(), 0
+        self.since, self.steps, self.data_wait_s = time.perf_counter(), 0, 0.0
 
-    def stepped(self) -> None:
+    def stepped(self, data_wait_s: float) -> None:
         if not self.state_bytes:  # the first step (of this process): the optimizer state now exists
             self.state_bytes = model_state_bytes(self.setup.model, self.setup.optimizer)
         self.steps += 1
+        self.data_wait_s += data_wait_s
 
     def read(self) -> dict:
         elapsed = time.perf_counter() - self.since
         step_time, tokens_per_sec = elapsed / self.steps, self.global_tokens * self.steps / elapsed
-        self.since, self.steps = time.perf_counter(), 0
+        data_wait_s = self.data_wait_s / self.steps  # time a step waited for its batches
+        self.since, self.steps, self.data_wait_s = time.perf_counter(), 0, 0.0
         device = self.setup.device
         per_rank_max = torch.tensor([max_memory_bytes(device), *self.state_bytes.values()], dtype=torch.float64,
                                     device=device)  # NCCL reduces device tensors only
@@ -231,7 +229,7 @@ class StepMeter:
         memory = [int(v) for v in per_rank_max.tolist()]
         return {"tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
                 "mfu": tokens_per_sec * self.flops / (self.peak * world_size) if self.peak else None,
-                "max_memory_bytes": memory[0], **dict(zip(self.state_bytes, memory[1:]))}
+                "max_memory_bytes": memory[0], **dict(zip(self.state_bytes, memory[1:])), "data_wait_s": data_wait_s}
 
 
 def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool,

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from parallel3d import hf
 from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device, world_size_from_env
 from parallel3d.checkpoint import find_checkpoint
+from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer
 from parallel3d.optim import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
 from parallel3d.optim import LR_SCHEDULES
@@ -73,6 +74,7 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_pipeline(cfg.parallel, cfg.train, cfg.model)
     _check_optim(cfg.optim, cfg.train.steps)
     _check_data(cfg.data, cfg.model)
+    check_data(cfg)  # data sources, weights, eval
     _check_logging(cfg.logging)
     _check_checkpoint(cfg.checkpoint, cfg.model, _run_dir(cfg))
     return cfg

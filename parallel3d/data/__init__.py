@@ -1,8 +1,11 @@
-"""Tokenizers, token files and the layout-invariant step sampler."""
+"""Sources, tokenizers, token files, the tokenization cache and the layout-invariant samplers."""
 
 from __future__ import annotations
 
+from parallel3d.data.corpus import Corpus, Workers, build_train_data, open_eval_corpus, open_sources
 from parallel3d.data.dataset import TokenFile, stdlib_token_file, text_files, write_token_file
+from parallel3d.data.loader import Prefetcher
+from parallel3d.data.mixture import MixtureSampler, SourceTokens
 from parallel3d.data.sampler import BatchSpec, StepSampler
 from parallel3d.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -14,5 +17,6 @@ def open_corpus(data_cfg) -> TokenFile:
     return TokenFile(data_cfg.path)
 
 
-__all__ = ["BatchSpec", "ByteTokenizer", "HFTokenizer", "StepSampler", "TokenFile", "load_tokenizer",
-           "open_corpus", "stdlib_token_file", "text_files", "write_token_file"]
+__all__ = ["BatchSpec", "ByteTokenizer", "Corpus", "HFTokenizer", "MixtureSampler", "Prefetcher", "SourceTokens",
+           "StepSampler", "TokenFile", "Workers", "build_train_data", "load_tokenizer", "open_corpus",
+           "open_eval_corpus", "open_sources", "stdlib_token_file", "text_files", "write_token_file"]

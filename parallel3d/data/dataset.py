@@ -20,26 +20,43 @@ from parallel3d.faults import RunError
 from parallel3d.progress import Progress
 
 
-def write_token_file(documents: Iterable[str], tokenizer, output: str | Path, progress=None) -> Path:
+def write_token_file(documents: Iterable[str], tokenizer, output: str | Path, progress=None,
+                     extra_meta: dict | None = None, batch_docs: int = 256) -> Path:
+    """Tokenize ``documents`` (in batches, with the tokenizer's batch encoder) into ``output``:
+    [BOS] document EOS, for each document. The sidecar .json is written last: its presence
+    means the token file is complete."""
     output = Path(output).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+    bos = [] if getattr(tokenizer, "bos_id", None) is None else [tokenizer.bos_id]
     count = 0
     with open(tmp, "wb") as f:
-        for text in documents:
-            ids = np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], dtype=dtype)
+        for batch in _batches(documents, batch_docs):
+            encoded = tokenizer.encode_batch(batch) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, batch)
+            ids = np.fromiter((i for doc in encoded for i in (*bos, *doc, tokenizer.eos_id)), dtype=dtype)
             f.write(ids.tobytes())
             count += len(ids)
             if progress is not None:
                 progress(count)
     meta = {"dtype": np.dtype(dtype).name, "num_tokens": count, "tokenizer": tokenizer.name,
-            "vocab_size": tokenizer.vocab_size}
+            "vocab_size": tokenizer.vocab_size, **(extra_meta or {})}
     meta_tmp = tmp.with_suffix(".json.tmp")
     meta_tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, output)
     os.replace(meta_tmp, output.with_suffix(".json"))  # written last: its presence means complete
     return output
+
+
+def _batches(items: Iterable[str], size: int) -> Iterable[list[str]]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 class TokenFile:

@@ -34,9 +34,10 @@ class BatchSpec:
 
 
 class StepSampler:
-    def __init__(self, tokens: np.ndarray, spec: BatchSpec, seed: int, offset: int = 0):
-        """``offset``: windows of the stream before step 1's batch (a resumed run's data position)."""
-        self.tokens, self.spec, self.seed, self.offset = tokens, spec, seed, offset
+    def __init__(self, tokens: np.ndarray, spec: BatchSpec, seed: int, offset: int = 0, name: str = "corpus"):
+        """``offset``: windows of the stream before step 1's batch (a resumed run's data position);
+        ``name``: the corpus's name in the metrics (``tokens/<name>``)."""
+        self.tokens, self.spec, self.seed, self.offset, self.name = tokens, spec, seed, offset, name
         self.num_windows = (len(tokens) - 1) // spec.seq_len
         if self.num_windows < spec.global_batch_size:
             raise ValueError(f"the corpus holds {self.num_windows} sequences of {spec.seq_len + 1} tokens, "
@@ -52,6 +53,10 @@ class StepSampler:
     def samples_seen(self, step: int) -> int:
         """Sequences of the stream consumed once ``step`` is done: the data position to save."""
         return self.offset + step * self.spec.global_batch_size
+
+    def tokens_consumed(self, step: int) -> dict[str, int]:
+        """Input tokens trained on once ``step`` is done (cumulative), as MixtureSampler reports them."""
+        return {f"tokens/{self.name}": self.samples_seen(step) * self.spec.seq_len}
 
     def _window(self, position: int) -> int:
         epoch, offset = divmod(position, self.num_windows)

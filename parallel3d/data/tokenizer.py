@@ -10,10 +10,14 @@ class ByteTokenizer:
 
     vocab_size = 257
     eos_id = 256
+    bos_id = None
     name = "byte"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -29,6 +33,9 @@ class HFTokenizer:
         self._tok = Tokenizer.from_file(str(Path(path).expanduser()))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._find_eos()
+        # Documents start with it where the tokenizer has one (Llama 3's <|begin_of_text|>).
+        self.bos_id = next((i for i in map(self._tok.token_to_id, ("<|begin_of_text|>", "<s>", "<bos>"))
+                            if i is not None), None)
 
     def _find_eos(self) -> int:
         for token in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]"):
@@ -39,6 +46,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """The tokenizers library's own batch encoding (Rust, parallel over the batch)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)

@@ -1,0 +1,92 @@
+"""What can be known about the data before any process group: called by validate.check().
+
+Every source must resolve to non-empty files whose headers read (a corrupt parquet footer, a
+saved dataset without the text column, a JSON-lines file whose first record lacks the field),
+``data.weights`` must match the sources, ``eval.*`` must make sense, and a prepared token file
+must fit the model's vocabulary. Problems deeper in a file (line 90,000 without the text field)
+surface when that shard is tokenized, with the same one-line error naming file and line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+from parallel3d.data.sources import DataError, Shard, resolve
+from parallel3d.base import ConfigError
+
+
+def check_data(cfg) -> None:
+    d, e = cfg.data, cfg.eval
+    for path in [*d.sources, *e.sources]:
+        for shard in resolve(path):
+            _check_header(shard, d.text_field)
+    if d.weights is not None:
+        if not d.sources:
+            raise ConfigError("data.weights", list(d.weights), "weights without data.sources",
+                              "list the files to mix in data.sources, or drop data.weights")
+        if len(d.weights) != len(d.sources):
+            raise ConfigError("data.weights", list(d.weights), f"{len(d.weights)} weights for "
+                              f"{len(d.sources)} data.sources", "give one weight per source, in the same order")
+        if any(w < 0 for w in d.weights) or sum(d.weights) <= 0:
+            raise ConfigError("data.weights", list(d.weights), "weights must be >= 0 and not all 0",
+                              "use positive weights (they are normalized to sum to 1)")
+    if not 0 <= e.fraction < 1:
+        raise ConfigError("eval.fraction", e.fraction, "must lie in [0, 1)", "use e.g. 0.01")
+    if e.fraction > 0 and not d.sources and not e.sources:
+        raise ConfigError("eval.fraction", e.fraction, "documents are held out of data.sources, which is empty",
+                          "set data.sources, or give held-out files in eval.sources")
+    if e.every < 0 or e.batches < 1:
+        raise ConfigError("eval.every" if e.every < 0 else "eval.batches", e.every if e.every < 0 else e.batches,
+                          "eval.every must be >= 0 and eval.batches >= 1", "use e.g. eval.every=100 eval.batches=4")
+    if not d.sources and d.source == "file" and d.path and Path(d.path).expanduser().is_file():
+        _check_token_file(Path(d.path).expanduser(), cfg.model.vocab_size)
+
+
+def _check_token_file(path: Path, model_vocab: int) -> None:
+    meta_path = path.with_suffix(".json")
+    if not meta_path.is_file():
+        raise ConfigError("data.path", path, f"{meta_path.name} is missing beside it",
+                          "write token files with tools/prepare_data.py (it writes both)")
+    vocab = json.loads(meta_path.read_text())["vocab_size"]
+    if vocab > model_vocab:
+        raise ConfigError("data.path", path, f"its tokens come from a vocabulary of {vocab}, larger than "
+                          f"model.vocab_size={model_vocab}", f"use model.vocab_size >= {vocab}")
+
+
+def _check_header(shard: Shard, text_field: str) -> None:
+    """The cheap part of reading: metadata and the first record."""
+    import pyarrow as pa
+
+    names: list[str] | None = None
+    try:
+        if shard.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            names = pq.ParquetFile(shard.path).schema_arrow.names
+        elif shard.kind == "arrow":
+            from datasets import Dataset
+
+            names = list(Dataset.from_file(str(shard.path)).column_names)
+        elif shard.kind == "json":
+            names = _first_json_record_fields(shard)
+    except (pa.ArrowInvalid, OSError, ValueError) as err:
+        raise DataError(str(shard.path), f"cannot be read ({str(err).splitlines()[0][:120]})",
+                        "rewrite or remove this file (is it truncated or of another format?)") from None
+    if names is not None and text_field not in names:
+        where = f"{shard.path} line 1" if shard.kind == "json" else f"{shard.path} row 0"
+        raise DataError(where, f"no '{text_field}' field (fields: {', '.join(names)[:80]})",
+                        "set data.text_field to the field that holds the text")
+
+
+def _first_json_record_fields(shard: Shard) -> list[str] | None:
+    opener = gzip.open if shard.path.name.endswith(".gz") else open
+    with opener(shard.path, "rb") as f:
+        for line in f:
+            if line.strip():
+                if line.lstrip().startswith(b"["):
+                    return None  # a JSON array: checked record by record when read
+                record = json.loads(line)
+                return list(record) if isinstance(record, dict) else []
+    return None

@@ -1,0 +1,112 @@
+"""From a config to token streams: the training corpus (with its sampler) and the held-out corpus.
+
+``data.sources`` empty keeps today's single token file (the standard library by default, or
+``data.path``) and its StepSampler; otherwise each source is resolved into shards, tokenized on
+first use into ``data.cache_dir`` (ranks split the shards, then wait for each other) and mixed
+by ``data.weights`` through a MixtureSampler. Documents held out by ``eval.fraction`` are
+never in the training stream; ``open_eval_corpus`` returns them, or ``eval.sources``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from parallel3d.data.dataset import TokenFile, stdlib_token_file
+from parallel3d.data.mixture import MixtureSampler, SourceTokens
+from parallel3d.data.sampler import BatchSpec, StepSampler
+from parallel3d.data.shards import prepare_shards
+from parallel3d.data.sources import resolve, source_name
+from parallel3d.data.tokenizer import load_tokenizer
+
+
+@dataclass
+class Corpus:
+    """Token streams and the ids that delimit documents: document k of a packed window is the
+    tokens after its k-th EOS (the EOS ends the document it belongs to; BOS, where the tokenizer
+    has one, starts each document)."""
+
+    sources: list[SourceTokens]
+    eos_id: int
+    bos_id: int | None
+    vocab_size: int
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """All tokens as one array (read into memory when there are several files: for held-out data)."""
+        arrays = [a for s in self.sources for a in s.arrays]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Who shares the tokenization: this rank of ``world_size``, and how to wait for the others."""
+
+    rank: int = 0
+    world_size: int = 1
+    barrier: Callable[[], None] | None = None
+
+
+def _unique_names(paths: list[str]) -> list[str]:
+    names = [source_name(p) for p in paths]
+    return [n if names.count(n) == 1 else f"{n}{i}" for i, n in enumerate(names)]
+
+
+def open_sources(paths: list[str], data_cfg, heldout_fraction: float, workers: Workers = Workers(),
+                 heldout: bool = False) -> Corpus:
+    """The sources' token streams, tokenizing what the cache lacks. ``heldout``: the held-out
+    documents instead of the training ones."""
+    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    shards = [resolve(p) for p in paths]
+    flat = [s for group in shards for s in group]
+    files = prepare_shards(flat, tokenizer, data_cfg.text_field, heldout_fraction, data_cfg.cache_dir,
+                           workers.rank, workers.world_size, workers.barrier)
+    sources, i = [], 0
+    for name, group in zip(_unique_names(paths), shards):
+        paths_here = [f.heldout if heldout else f.train for f in files[i : i + len(group)]]
+        sources.append(SourceTokens(name, [TokenFile(p).tokens for p in paths_here]))
+        i += len(group)
+    return Corpus(sources, tokenizer.eos_id, tokenizer.bos_id, tokenizer.vocab_size)
+
+
+def open_single(data_cfg, workers: Workers = Workers()) -> Corpus:
+    """Today's one token file: the standard library (rank 0 builds it, the others wait) or data.path."""
+    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    if data_cfg.source == "stdlib":
+        if workers.rank == 0:
+            stdlib_token_file(tokenizer, data_cfg.cache_dir, data_cfg.max_bytes)
+        if workers.barrier is not None:
+            workers.barrier()
+        tokens, name = stdlib_token_file(tokenizer, data_cfg.cache_dir, data_cfg.max_bytes).tokens, "stdlib"
+    else:
+        tokens, name = TokenFile(data_cfg.path).tokens, Path(data_cfg.path).stem
+    return Corpus([SourceTokens(name, [tokens])], tokenizer.eos_id, tokenizer.bos_id, tokenizer.vocab_size)
+
+
+def open_eval_corpus(data_cfg, eval_cfg, workers: Workers = Workers()) -> Corpus | None:
+    """The held-out token stream: ``eval.sources``, else the ``eval.fraction`` of the training
+    sources' documents that training never sees; None when neither is set."""
+    if eval_cfg.sources:
+        return open_sources(list(eval_cfg.sources), data_cfg, 0.0, workers)
+    if eval_cfg.fraction > 0 and data_cfg.sources:
+        return open_sources(list(data_cfg.sources), data_cfg, eval_cfg.fraction, workers, heldout=True)
+    return None
+
+
+def training_fraction(data_cfg, eval_cfg) -> float:
+    """The fraction of documents held out of training (only when no separate eval.sources)."""
+    return 0.0 if eval_cfg is None or eval_cfg.sources else eval_cfg.fraction
+
+
+def build_train_data(data_cfg, eval_cfg, spec: BatchSpec, seed: int, offset: int = 0,
+                     workers: Workers = Workers()) -> tuple[Corpus, StepSampler | MixtureSampler]:
+    """The training corpus and the sampler that picks each step's windows from it."""
+    if not data_cfg.sources:
+        corpus = open_single(data_cfg, workers)
+        return corpus, StepSampler(corpus.sources[0].arrays[0], spec, seed, offset, corpus.sources[0].name)
+    corpus = open_sources(list(data_cfg.sources), data_cfg, training_fraction(data_cfg, eval_cfg), workers)
+    weights = list(data_cfg.weights) if data_cfg.weights else None
+    return corpus, MixtureSampler(corpus.sources, spec, seed, offset, weights)

@@ -1,0 +1,80 @@
+"""Training on a mixture of jsonl + parquet + a saved dataset, end to end through train.py.
+
+One process, dp2 and pp2 x tp2 train to the same losses (rel 1e-5); the ranks of each job
+split the tokenization; a run resumed from the dp2 run's step 5 in one process (another layout
+and dp degree) continues with the same tokens and losses. Launched with conftest's launch()
+rather than Parity.run: these runs compare with each other, not with the stdlib reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FAST, launch, relative_error
+from data_files import write_mixture
+
+from parallel3d.data import TokenFile
+
+SOURCES = ["web", "books", "wiki"]
+
+
+class MixtureRuns:
+    def __init__(self, root):
+        self.root, self.runs = root, {}
+        self.sources = write_mixture(root / "src", scale=4)
+
+    def run(self, name: str, nproc: int, overrides: list[str], steps_from: int = 1):
+        if name not in self.runs:
+            args = [*FAST, f"data.sources=[{','.join(self.sources)}]", "data.weights=[2,1,1]", "eval.fraction=0.1",
+                    f"data.cache_dir={self.root / ('cache-' + name)}", *overrides]
+            run = launch(self.root / name, args, nproc=nproc)
+            run.assert_finished(10)
+            assert [r["step"] for r in run.metrics] == list(range(steps_from, 11)), run.stderr[-2000:]
+            self.runs[name] = run
+        return self.runs[name]
+
+    def tokenized_by(self, name: str) -> set[str]:
+        metas = (TokenFile(p).meta for p in (self.root / f"cache-{name}").glob("*.bin") if "heldout" not in p.name)
+        return {m["tokenized_by"] for m in metas}
+
+
+@pytest.fixture(scope="module")
+def mixture(runs_root) -> MixtureRuns:
+    return MixtureRuns(runs_root / "mixture")
+
+
+def single(mixture):
+    return mixture.run("single", 1, ["train.micro_batch_size=16"])
+
+
+def test_one_process_reports_tokens_per_source_and_data_wait(mixture):
+    run = single(mixture)
+    for row in run.metrics:
+        consumed = [row[f"tokens/{s}"] for s in SOURCES]
+        assert sum(consumed) == row["step"] * 16 * 64  # cumulative input tokens, every sample counted once
+        assert 0 <= row["data_wait_s"] < 5
+    last = run.metrics[-1]
+    assert last["tokens/web"] > max(last["tokens/books"], last["tokens/wiki"])  # weight 2 against 1 and 1
+    assert mixture.tokenized_by("single") == {"rank 0"}
+
+
+def test_dp2_trains_the_same_and_its_ranks_split_tokenization(mixture):
+    run = mixture.run("dp2", 2, ["checkpoint.every=5"])
+    reference = single(mixture)
+    assert relative_error(run.losses, reference.losses) < 1e-5, (run.losses, reference.losses)
+    assert [r["tokens/wiki"] for r in run.metrics] == [r["tokens/wiki"] for r in reference.metrics]
+    assert mixture.tokenized_by("dp2") == {"rank 0", "rank 1"}
+
+
+def test_pp2_tp2_trains_the_same(mixture):
+    run = mixture.run("pp2-tp2", 4, ["parallel.pp=2", "parallel.tp=2"])
+    assert relative_error(run.losses, single(mixture).losses) < 1e-5
+    assert mixture.tokenized_by("pp2-tp2") == {"rank 0", "rank 1", "rank 2", "rank 3"}  # five shards, four ranks
+
+
+def test_resumed_at_another_layout_and_dp_degree_continues_the_same_tokens(mixture):
+    saved = mixture.run("dp2", 2, ["checkpoint.every=5"])
+    step5 = saved.run_dir / "checkpoints" / "step_5"
+    run = mixture.run("resumed-single", 1, [f"checkpoint.resume={step5}", "train.micro_batch_size=8"], steps_from=6)
+    assert relative_error(run.losses, saved.losses[5:]) < 1e-5, (run.losses, saved.losses[5:])
+    for row, before in zip(run.metrics, saved.metrics[5:]):
+        assert [row[f"tokens/{s}"] for s in SOURCES] == [before[f"tokens/{s}"] for s in SOURCES]

@@ -1,0 +1,87 @@
+"""tools/prepare_data.py over sources: worker processes, the training cache, resuming after a kill."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from data_files import documents, write_jsonl, write_mixture
+
+from parallel3d.config import PROJECT_ROOT, compose
+from parallel3d.data import TokenFile, load_tokenizer, open_sources, write_token_file
+from parallel3d.data import sources as src
+from parallel3d.data.shards import is_heldout, shard_files
+
+TOOL = [sys.executable, "tools/prepare_data.py"]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+
+
+def _prepare(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*TOOL, *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300, env=_env())
+
+
+def test_workers_fill_the_cache_that_training_reads(tmp_path):
+    sources = write_mixture(tmp_path / "src")
+    cache = tmp_path / "cache"
+    args = [a for s in sources for a in ("--source", s)]
+    proc = _prepare(*args, "--cache-dir", str(cache), "--workers", "2", "--eval-fraction", "0.1")
+    assert proc.returncode == 0, proc.stderr
+    assert "0 of 5 shards already done; tokenizing 5 with 2 workers" in proc.stdout
+    assert sum(line.startswith("tokenized ") for line in proc.stdout.splitlines()) == 5
+    assert "tokens/s" in proc.stdout
+    cfg = compose([f"data.sources=[{','.join(sources)}]", f"data.cache_dir={cache}"]).data
+    corpus = open_sources(sources, cfg, 0.1)  # finds every shard done: nothing tokenized again
+    tok = load_tokenizer("byte")
+    for source, path in zip(corpus.sources, sources):
+        shards = src.resolve(path)
+        metas = [TokenFile(shard_files(s, tok, "text", 0.1, cache).train).meta for s in shards]
+        assert {m["tokenized_by"].split()[0] for m in metas} == {"worker"}
+        got = np.concatenate([np.asarray(a) for a in source.arrays])
+        training = [t for s in shards for t in src.documents(s, "text") if not is_heldout(t, 0.1)]
+        reference = write_token_file(training, tok, tmp_path / "ref" / f"{source.name}.bin")
+        assert np.array_equal(got, TokenFile(reference).tokens)
+    again = _prepare(*args, "--cache-dir", str(cache), "--workers", "2", "--eval-fraction", "0.1")
+    assert "5 of 5 shards already done; tokenizing 0" in again.stdout
+
+
+def test_a_killed_run_resumes_without_redoing_finished_shards(tmp_path):
+    for i in range(8):  # eight shards of ~1.5 MB: long enough to be killed part way through
+        write_jsonl(tmp_path / "src" / f"part-{i}.jsonl", documents(f"p{i}", 6000, i))
+    cache = tmp_path / "cache"
+    args = [*TOOL, "--source", str(tmp_path / "src"), "--cache-dir", str(cache), "--workers", "2"]
+    proc = subprocess.Popen(args, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("tokenized "):  # the first shard is finished: kill tool and workers now
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    tok = load_tokenizer("byte")
+    shards = src.resolve(str(tmp_path / "src"))
+    files = [shard_files(s, tok, "text", 0.0, cache) for s in shards]
+    finished = {f.train: f.train.stat().st_mtime_ns for f in files if f.done()}
+    assert 1 <= len(finished) < 8, len(finished)
+    rerun = subprocess.run(args, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{len(finished)} of 8 shards already done; tokenizing {8 - len(finished)}" in rerun.stdout
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished  # not redone
+    assert all(f.done() for f in files)
+    for shard, f in zip(shards, files):
+        expected = [i for t in src.documents(shard, "text") for i in (*tok.encode(t), tok.eos_id)]
+        assert TokenFile(f.train).tokens.tolist() == expected
+    assert not list(cache.glob(".*.tmp"))  # the killed writers' temporary files are gone
+
+
+def test_bad_input_is_one_line_naming_the_file(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    proc = _prepare("--source", str(tmp_path / "bad.jsonl"), "--cache-dir", str(tmp_path / "c"), "--workers", "1")
+    assert proc.returncode == 2
+    assert f"{tmp_path / 'bad.jsonl'} line 2" in proc.stderr and "Fix:" in proc.stderr
