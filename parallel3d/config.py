@@ -113,6 +113,16 @@ class DataConfig:
     tokenizer: str = "byte"  # byte, or a path to a Hugging Face tokenizer.json
     max_bytes: int = 8_000_000  # stdlib corpus: stop after this much text
     cache_dir: str = "~/.cache/parallel3d"
+    document_masking: bool = False  # attention stays inside each document of a packed sequence
+    reset_positions: bool = False  # RoPE positions restart at each document
+
+
+@dataclass
+class EvalConfig:
+    sources: list[str] = field(default_factory=list)  # held-out files
+    fraction: float = 0.0  # or: this fraction of documents held out by a stable hash
+    every: int = 0  # evaluate every N steps (and at the last step); 0: at the last step only
+    batches: int = 4  # global batches per evaluation
 
 
 @dataclass
@@ -181,6 +191,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
