@@ -29,7 +29,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
-from parallel3d.data import BatchSpec, StepSampler, open_corpus
+from parallel3d.data import BatchSpec, StepSampler, open_corpus, open_eval_corpus
+from parallel3d.data.documents import document_inputs
+from parallel3d.evaluate import Evaluator
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
@@ -140,6 +142,8 @@ def train(cfg: DictConfig) -> Path:
     if not is_rank0:
         corpus = open_corpus(c.data)
     sampler = StepSampler(corpus.tokens, spec, t.seed, offset=data_offset)
+    eval_tokens = open_eval_corpus(c.data, c.eval)
+    evaluator = None if eval_tokens is None else Evaluator(eval_tokens, spec, t.seed, c.eval, t.steps)
 
     flops = flops_per_token(c.model, t.seq_len)
     peak = peak_flops(device, t.param_dtype)
@@ -167,7 +171,9 @@ def train(cfg: DictConfig) -> Path:
         steps_since += 1
         progress.update(step)
 
-        if step % c.logging.log_every == 0 or step == t.steps:
+        evaluation = (evaluator.evaluate(c, meshes, device, model, pipeline, token_loss)
+                      if evaluator is not None and evaluator.due(step) else {})
+        if step % c.logging.log_every == 0 or step == t.steps or evaluation:
             loss_avg = loss_sum.clone()
             if meshes.pp is not None:  # only the last stage computed a loss
                 dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
@@ -190,7 +196,7 @@ def train(cfg: DictConfig) -> Path:
                 "step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
                 "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
                 "mfu": tokens_per_sec * flops / (peak * world_size) if peak else None,
-                "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])),
+                "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])), **evaluation,
             })
         every = c.checkpoint.every
         if every and (step % every == 0 or step == t.steps):
@@ -267,7 +273,7 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             with vocab_parallel():
                 with autocast:
-                    loss = loss_fn(model(inputs), targets)
+                    loss = loss_fn(model(inputs, **document_inputs(inputs, c.data)), targets)
                 loss.backward()
             loss_sum += _local(loss.detach())
     else:  # each schedule step runs pipeline.microbatches micro batches through all stages
@@ -280,7 +286,7 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
             # return (4 GiB on the 405B recipe), which nothing here reads.
             with vocab_parallel(), autocast:
                 pipeline.schedule.step(*([inputs] if pipeline.has_first_stage else []), target=targets,
-                                       losses=losses, return_outputs=False)
+                                       losses=losses, return_outputs=False, **document_inputs(inputs, c.data))
             for loss in losses:
                 loss_sum += _local(loss.detach())
     params = [p for p in model.parameters() if p.requires_grad]

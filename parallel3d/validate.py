@@ -53,6 +53,7 @@ def check(cfg, world_size: int, device: str | None = None) -> None:
     _check_pipeline(cfg.parallel, cfg.train, cfg.model)
     _check_optim(cfg.optim, cfg.train.steps)
     _check_data(cfg.data, cfg.model)
+    _check_eval(cfg.eval)
     _check_logging(cfg.logging)
     _check_checkpoint(cfg.checkpoint, cfg.model, _run_dir(cfg))
 
@@ -255,6 +256,13 @@ def _check_optim(o, steps: int) -> None:
         raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1]", "use e.g. 0.1")
     if not 0 <= o.decay_fraction <= 1:
         raise ConfigError("optim.decay_fraction", o.decay_fraction, "must lie in [0, 1]", "use e.g. 0.2")
+
+
+def _check_eval(e) -> None:
+    if e.batches < 1:
+        raise ConfigError("eval.batches", e.batches, "an evaluation needs at least one batch", "set eval.batches >= 1")
+    if e.every < 0:
+        raise ConfigError("eval.every", e.every, "negative interval", "set eval.every >= 0 (0: at the last step only)")
 
 
 def _check_data(d, m) -> None:
