@@ -171,8 +171,10 @@ def train(cfg: DictConfig) -> Path:
         steps_since += 1
         progress.update(step)
 
+        eval_start = time.perf_counter()
         evaluation = (evaluator.evaluate(c, meshes, device, model, pipeline, token_loss)
                       if evaluator is not None and evaluator.due(step) else {})
+        since += time.perf_counter() - eval_start  # step time and throughput count training only
         if step % c.logging.log_every == 0 or step == t.steps or evaluation:
             loss_avg = loss_sum.clone()
             if meshes.pp is not None:  # only the last stage computed a loss

@@ -263,6 +263,10 @@ def _check_eval(e) -> None:
         raise ConfigError("eval.batches", e.batches, "an evaluation needs at least one batch", "set eval.batches >= 1")
     if e.every < 0:
         raise ConfigError("eval.every", e.every, "negative interval", "set eval.every >= 0 (0: at the last step only)")
+    for source in e.sources:
+        if not Path(source).expanduser().exists():
+            raise ConfigError("eval.sources", source, "no such file", "check the path (relative paths start at the "
+                              "directory you launch from)")
 
 
 def _check_data(d, m) -> None:

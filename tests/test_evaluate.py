@@ -50,10 +50,11 @@ def test_stage_owners():
     assert stage_owners("ZBVZeroBubble", 2, 2) == [0, 1, 1, 0]
 
 
-@pytest.mark.parametrize("key, value", [("eval.batches", 0), ("eval.every", -1)])
+@pytest.mark.parametrize("key, value", [("eval.batches", 0), ("eval.every", -1), ("eval.sources", "[/no/such.bin]")])
 def test_eval_keys_are_validated(key, value):
-    with pytest.raises(ConfigError, match=rf"^{key}="):
+    with pytest.raises(ConfigError, match=rf"^{key}=") as error:
         check(compose([f"{key}={value}"]), 1)
+    assert "Fix:" in str(error.value) and "\n" not in str(error.value)
 
 
 LAYOUTS = {  # name: (ranks, overrides)
@@ -83,6 +84,8 @@ def test_reference_evaluates_at_every_and_last_step(documents_reference, token_f
         if "val_loss" in row:
             assert row["val_perplexity"] == pytest.approx(math.exp(row["val_loss"]), rel=1e-12)
     assert rows[-1]["val_loss"] < rows[4]["val_loss"]  # it learns, and the held-out loss shows it
+    console = documents_reference.stdout + documents_reference.stderr
+    assert sum(f"val_loss {rows[s - 1]['val_loss']:.4f}" in console for s in (5, 10)) == 2
 
 
 def test_document_masking_changes_training(documents_reference, token_files, parity):
