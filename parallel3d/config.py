@@ -139,7 +139,7 @@ class EvalConfig:
 
     sources: list[str] = field(default_factory=list)  # held-out files, read like data.sources
     fraction: float = 0.0  # else: this fraction of data.sources' documents, held out by a stable hash
-    every: int = 0  # evaluate every N steps (and at the last step); 0: never
+    every: int = 0  # evaluate every N steps and at the last step; 0: at the last step only
     batches: int = 4  # global batches per evaluation
 
 

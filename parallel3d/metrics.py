@@ -97,6 +97,7 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self.start
         eta = elapsed / (step - self.first_step) * (self.total_steps - step)
         mfu = f" | mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else ""
+        mfu += f" | val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
         self.progress.write(
             f"[{step:>{len(str(self.total_steps))}}/{self.total_steps}] loss {row['loss']:.4f} | "
             f"grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | {row['tokens_per_sec']:,.0f} tok/s{mfu} | "

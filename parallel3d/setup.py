@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from parallel3d.base import DTYPES
 from parallel3d.config import Config
 from parallel3d.data import BatchSpec
+from parallel3d.data.documents import document_inputs
 from parallel3d.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.models import Transformer
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
@@ -123,7 +124,8 @@ def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor,
             losses = _forward_backward(s, micro_batches)
         else:  # the schedule runs backward inside step(): autocast spans both
             with _autocast(s):
-                losses = s.pipeline.forward_backward(micro_batches, s.device)
+                losses = s.pipeline.forward_backward(micro_batches, s.device,
+                                                     lambda inputs: document_inputs(inputs, c.data))
     loss_sum = torch.zeros((), device=s.device)
     for loss in losses:
         loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
@@ -154,7 +156,7 @@ def _forward_backward(s: Setup, micro_batches: MicroBatches) -> list[torch.Tenso
             set_gradient_sync(s.model, i == len(micro_batches) - 1, s.config.parallel.zero_stage)
         inputs, targets = inputs.to(s.device, non_blocking=True), targets.to(s.device, non_blocking=True)
         with _autocast(s):
-            loss = s.loss_fn(s.model(inputs), targets)
+            loss = s.loss_fn(s.model(inputs, **document_inputs(inputs, s.config.data)), targets)
         loss.backward()
         losses.append(loss.detach())
     return losses

@@ -27,7 +27,8 @@ from parallel3d import hf
 from parallel3d.base import ConfigError, resolve_device, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
-from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data
+from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
+from parallel3d.evaluate import Evaluator
 from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, SweepFailures,
                                attempt_store, check_corpus, log_path, report_failure, warnings_to_log)
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
@@ -92,10 +93,12 @@ def train(cfg: DictConfig) -> Path:
     workers = Workers(rank(), world_size, dist.barrier if dist.is_initialized() else None)
     corpus, sampler = build_train_data(c.data, c.eval, setup.spec, c.train.seed, data_offset, workers)
     check_corpus(corpus, c.model.vocab_size, c.train.seq_len, c.data)
+    held_out = open_eval_corpus(c.data, c.eval, workers)
+    evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
     logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress)
-    loop = TrainLoop(setup, sampler, checkpointer, state, logger, progress, config_yaml)
+    loop = TrainLoop(setup, sampler, checkpointer, state, logger, progress, config_yaml, evaluator)
     if is_rank0:
         print_banner(c, setup, world_size, run_dir)
     loop.run(start_step)
@@ -126,12 +129,13 @@ class TrainLoop:
     order. Work around the whole loop (signals, locks) wraps ``run``."""
 
     def __init__(self, setup: Setup, sampler: StepSampler, checkpointer: Checkpointer, state: TrainState,
-                 logger: MetricsLogger, progress: Progress, config_yaml: str):
+                 logger: MetricsLogger, progress: Progress, config_yaml: str, evaluator: Evaluator | None = None):
         self.setup, self.sampler, self.checkpointer, self.state = setup, sampler, checkpointer, state
         self.logger, self.progress, self.config_yaml = logger, progress, config_yaml
         self.meter = StepMeter(setup)
+        self.evaluator, self.evaluation = evaluator, {}
         self.after_step: list[Callable[[int, torch.Tensor, torch.Tensor, float], None]] = [
-            self.log_metrics, self.save_checkpoint]
+            self.evaluate, self.log_metrics, self.save_checkpoint]
 
     def run(self, start_step: int) -> None:
         t = self.setup.config.train
@@ -164,9 +168,18 @@ class TrainLoop:
         self.setup.model.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
 
+    def evaluate(self, step: int, *_) -> None:
+        """val_loss on the held-out batches when eval.every says (and at the last step)."""
+        self.evaluation = {}
+        if self.evaluator is None or not self.evaluator.due(step):
+            return
+        start, s = time.perf_counter(), self.setup
+        self.evaluation = self.evaluator.evaluate(s.config, s.meshes, s.device, s.model, s.pipeline, s.loss_fn)
+        self.meter.since += time.perf_counter() - start  # step time and throughput count training only
+
     def log_metrics(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         c = self.setup.config
-        if step % c.logging.log_every and step != c.train.steps:
+        if step % c.logging.log_every and step != c.train.steps and not self.evaluation:
             return
         loss_value, norm_value = global_loss(self.setup.meshes, loss_sum), grad_norm.item()
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
@@ -174,7 +187,7 @@ class TrainLoop:
             raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
                                    f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
         self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read(),
-                         **self.sampler.tokens_consumed(step)})
+                         **self.sampler.tokens_consumed(step), **self.evaluation})
 
     def save_checkpoint(self, step: int, *_, force: bool = False) -> None:
         c = self.setup.config

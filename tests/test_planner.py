@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from parallel3d.config import compose
+from parallel3d.data.documents import document_inputs
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import model_state_bytes
 from parallel3d.models import Transformer
@@ -255,13 +256,15 @@ def _stage_activations(c, meshes, pp_rank: int, mode: str, dtype: torch.dtype) -
         exclude.add(x.untyped_storage().data_ptr())
     targets = torch.randint(0, 256, (b * s,))
     exclude.add(targets.untyped_storage().data_ptr())
+    documents = document_inputs(torch.randint(0, 257, (b, s)), c.data)  # inputs, like the tokens
+    exclude |= {t.untyped_storage().data_ptr() for t in documents.values()}
     tracker = LiveStorages(params=set(exclude))
     with (loss_parallel() if meshes.tp is not None else contextlib.nullcontext()), tracker, \
             torch.autocast("cpu", dtype=dtype, enabled=autocast):
         if not part.embeds_input:  # received activations: the pipeline stage keeps them, so they count
             rows = s // c.parallel.tp if c.parallel.tp > 1 and c.parallel.sequence_parallel else s
             x = torch.randn(b, rows, c.model.dim, dtype=hidden, requires_grad=True)
-        out = part(x)
+        out = part(x, **documents)
         if part.norm is not None:  # the last stage: the loss, as train.py computes it
             loss = F.cross_entropy(out.flatten(0, 1).float(), targets, reduction="sum")  # noqa: F841
             if c.parallel.pp == 1:
@@ -281,6 +284,10 @@ ACTIVATION_CASES = {
                            "train.micro_batch_size=1", "train.seq_len=128"], 1),
     "tp2-pp3-last": (6, ["parallel.tp=2", "parallel.pp=3", "model.n_layers=5", "train.global_batch_size=6",
                          "train.micro_batch_size=1", "train.seq_len=128"], 2),
+    "single-documents": (1, ["data.document_masking=true", "data.reset_positions=true", "train.micro_batch_size=2",
+                             "train.seq_len=64"], 0),
+    "tp2-pp2-documents": (4, ["data.document_masking=true", "parallel.tp=2", "parallel.pp=2",
+                              "train.micro_batch_size=2", "train.seq_len=64"], 1),
 }
 
 

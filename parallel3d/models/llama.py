@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallel3d.config import ModelConfig, RopeScaling
+from parallel3d.models.attention import rotary_tables, sdpa
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -59,14 +60,17 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """positions (b, s): each token's RoPE position (None: 0..s-1); doc_ids (b, s): its document
+        (None: one document). Both in q's sequence layout."""
         # Head counts come from the tensors, not the config: under tensor parallelism a rank
         # holds only its share of the heads.
         q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
         # The whole sequence is here (sequence parallelism gathers it before attention).
-        cos, sin = cos[: q.shape[2]], sin[: q.shape[2]]
+        cos, sin = rotary_tables(cos, sin, q.shape[2], positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = sdpa(q, k, v, doc_ids, doc_ids)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
 
@@ -89,8 +93,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # Keywords, not positional: tensor parallel plans prepare positional inputs only, and these
+        # stay plain whole-sequence tensors (attention sees the whole sequence).
+        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions, doc_ids=doc_ids)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -111,11 +118,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Tokens to logits; a pipeline stage maps its input (tokens or hidden states) to its output."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens to logits; a pipeline stage maps its input (tokens or hidden states) to its output.
+
+        ``positions`` and ``doc_ids`` (b, s), from ``parallel3d.data.documents.document_inputs``:
+        per-token RoPE positions and document ids of a packed sequence (None: 0..s-1, one
+        document). Pipeline schedules hand every stage its micro batch's slice of them as keyword
+        arguments, so they reach every block whichever stage holds it."""
         h = self.tok_embeddings(tokens) if self.embeds_input else tokens
         for block in self.layers.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            h = block(h, self.rope_cos, self.rope_sin, positions=positions, doc_ids=doc_ids)
         if self.norm is None:  # not the last stage: pass hidden states on
             return h
         h = self.norm(h)

@@ -111,11 +111,13 @@ class Pipeline:
     def has_first_stage(self) -> bool:
         return any(stage.is_first for stage in self.stages)
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                         device: torch.device) -> list[torch.Tensor]:
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                         model_inputs=lambda inputs: {}) -> list[torch.Tensor]:
         """Forward and backward of one optimizer step's micro batches through all stages, in
         schedule steps of ``self.microbatches`` each (fewer than all: gradient accumulation).
-        Returns the detached micro-batch losses this rank computed (the last stage's rank only)."""
+        Returns the detached micro-batch losses this rank computed (the last stage's rank only).
+        ``model_inputs(input ids)``: keyword inputs every stage gets (document ids, positions); the
+        schedule splits them into micro batches and hands them to each stage beside its activations."""
         losses: list[torch.Tensor] = []
         for k in range(0, len(micro_batches), self.microbatches):
             chunk_losses: list[torch.Tensor] = []  # step() clears and refills it
@@ -125,7 +127,7 @@ class Pipeline:
             # return_outputs=False: else the last stage keeps every microbatch's logits for step() to
             # return (4 GiB on the 405B recipe), which nothing here reads.
             self.schedule.step(*([inputs] if self.has_first_stage else []), target=targets, losses=chunk_losses,
-                               return_outputs=False)
+                               return_outputs=False, **model_inputs(inputs))
             losses += [loss.detach() for loss in chunk_losses]
         return losses
 

@@ -21,6 +21,10 @@ sequence parallelism (norms and residual stream split over the sequence), else T
                  the head-merging copy of the output c·T·D/t (CPU kernels, and cuDNN's attention,
                  which Hopper GPUs run, return the output heads-major)
     SwiGLU       w1 and w3 outputs, silu, product: 4·c·T·F/t
+    doc. mask    with data.document_masking, SDPA keeps the additive float mask it makes of the
+                 boolean one: M = c·T·s per block, whole on every tp rank (it has no head dim)
+    positions    with data.reset_positions, the float32 cos and sin gathered for each token, which
+                 the rotation keeps: 4·T·D/H per block
 
 Checkpointing modes (``parallel/activation.py``):
     full         the block's input only: r·Tn·D
@@ -49,13 +53,16 @@ class Geometry:
     t: int  # tensor-parallel degree
     cpu: bool  # composite RMSNorm (CPU kernels); cuda: fused kernels
     autocast: bool  # float32 parameters, cast per op
+    mask: int = 0  # M: bytes of the attention mask a block keeps (document masking)
+    token_rope: bool = False  # per-token RoPE tables (reset positions)
 
     @classmethod
     def of(cls, layout: Layout) -> "Geometry":
         tokens = layout.micro_batch_size * layout.seq_len
         split = layout.tp > 1 and layout.sequence_parallel
+        mask = layout.compute_bytes * tokens * layout.seq_len if layout.document_masking else 0
         return cls(tokens, tokens // layout.tp if split else tokens, layout.compute_bytes, layout.residual_bytes,
-                   layout.tp, layout.device == "cpu", layout.autocast)
+                   layout.tp, layout.device == "cpu", layout.autocast, mask, layout.reset_positions)
 
 
 def norm_bytes(model: ModelShape, g: Geometry, readers: int) -> int:
@@ -76,7 +83,7 @@ def block_bytes(model: ModelShape, g: Geometry, mode: str) -> int:
     if mode == "op":  # SAC: matmul, SDPA and tp reduction outputs kept, everything else recomputed
         reductions = 2 * c * g.tokens_norm * D if t > 1 else 0
         return block_input + c * T * (2 * D // t + 2 * kv // t + 2 * D + 2 * F // t) + lse + reductions
-    attention = c * T * (3 * D + 2 * kv) // t + lse
+    attention = c * T * (3 * D + 2 * kv) // t + lse + g.mask + (4 * T * D // H if g.token_rope else 0)
     return norm_bytes(model, g, 3) + norm_bytes(model, g, 2) + attention + 4 * c * T * F // t
 
 

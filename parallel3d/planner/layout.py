@@ -69,6 +69,8 @@ class Layout(ParallelDims):
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     device: str = "cuda"  # whose kernels the activation model counts (cpu: composite RMSNorm, ...)
+    document_masking: bool = False  # data.document_masking: attention keeps a (b, 1, s, s) mask
+    reset_positions: bool = False  # data.reset_positions: each block gathers per-token RoPE tables
 
     @classmethod
     def from_config(cls, cfg, device: str | None = None) -> "Layout":
@@ -84,6 +86,7 @@ class Layout(ParallelDims):
             activation_checkpoint_every=m.activation_checkpoint_every, fsdp_prefetch=p.fsdp_prefetch,
             param_dtype=t.param_dtype,
             reduce_dtype=t.reduce_dtype, device=resolve_device(t.device, device or "cuda"),
+            document_masking=bool(cfg.data.document_masking), reset_positions=bool(cfg.data.reset_positions),
         )
 
     @property

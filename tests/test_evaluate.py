@@ -1,0 +1,109 @@
+"""Held-out evaluation and document masking across layouts: one process, dp2, tp2 (sequence
+parallel) and pp2 under 1F1B, Interleaved1F1B and ZBVZeroBubble train to the same losses and
+the same val_loss."""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import relative_error
+from parallel3d.config import EvalConfig, compose
+from parallel3d.data import load_tokenizer, open_eval_corpus, text_files, write_token_file
+from parallel3d.evaluate import Evaluator, stage_owners
+from parallel3d.data import BatchSpec
+from parallel3d.validate import ConfigError, check
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def paragraph_token_file(path: Path, package: str, max_bytes: int) -> Path:
+    """Short documents (the blank-line separated paragraphs of a stdlib package's sources), so a
+    64-token window holds several of them."""
+    docs = [p for text in text_files(STDLIB / package, "*.py", max_bytes) for p in text.split("\n\n") if p.strip()]
+    return write_token_file(docs, load_tokenizer("byte"), path)
+
+
+@pytest.fixture(scope="module")
+def token_files(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("documents")
+    return (paragraph_token_file(root / "train.bin", "json", 200_000),
+            paragraph_token_file(root / "heldout.bin", "email", 60_000))
+
+
+def test_eval_is_due_every_n_steps_and_at_the_last(token_files):
+    tokens = open_eval_corpus(None, EvalConfig(sources=[str(token_files[1])]))
+    spec = BatchSpec(16, 4, 64)
+    assert [s for s in range(1, 11) if Evaluator(tokens, spec, 0, EvalConfig(every=4), 10).due(s)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if Evaluator(tokens, spec, 0, EvalConfig(every=0), 10).due(s)] == [10]
+    assert open_eval_corpus(None, EvalConfig()) is None
+
+
+def test_stage_owners():
+    assert stage_owners("1F1B", 4, 1) == [0, 1, 2, 3]
+    assert stage_owners("Interleaved1F1B", 2, 2) == [0, 1, 0, 1]
+    assert stage_owners("ZBVZeroBubble", 2, 2) == [0, 1, 1, 0]
+
+
+@pytest.mark.parametrize("key, value", [("eval.batches", 0), ("eval.every", -1), ("eval.sources", "[/no/such.bin]")])
+def test_eval_keys_are_validated(key, value):
+    with pytest.raises(ConfigError, match=rf"^{key}=") as error:
+        check(compose([f"{key}={value}"]), 1)
+    assert "Fix:" in str(error.value) and "\n" not in str(error.value)
+
+
+LAYOUTS = {  # name: (ranks, overrides)
+    "dp2": (2, ["parallel.dp_shard=2"]),
+    "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "pp2-1F1B": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B"]),
+    "pp2-Interleaved1F1B": (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"]),
+    "pp2-ZBVZeroBubble": (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"]),
+}
+
+
+def document_overrides(token_files) -> list[str]:
+    train, heldout = token_files
+    return ["data.source=file", f"data.path={train}", "data.document_masking=true", "data.reset_positions=true",
+            f"eval.sources=[{heldout}]", "eval.every=5", "eval.batches=2"]
+
+
+@pytest.fixture(scope="module")
+def documents_reference(parity, token_files):
+    return parity.run("documents-reference", 1, [*document_overrides(token_files), "train.micro_batch_size=16"])
+
+
+def test_reference_evaluates_at_every_and_last_step(documents_reference, token_files):
+    rows = documents_reference.metrics
+    assert [r["step"] for r in rows if "val_loss" in r] == [5, 10]
+    for row in rows:
+        if "val_loss" in row:
+            assert row["val_perplexity"] == pytest.approx(math.exp(row["val_loss"]), rel=1e-12)
+    assert rows[-1]["val_loss"] < rows[4]["val_loss"]  # it learns, and the held-out loss shows it
+    console = documents_reference.stdout + documents_reference.stderr
+    assert sum(f"val_loss {rows[s - 1]['val_loss']:.4f}" in console for s in (5, 10)) == 2
+
+
+def test_document_masking_changes_training(documents_reference, token_files, parity):
+    """The same data without masking/reset trains differently: the mask is live in these runs."""
+    train, _ = token_files
+    plain = parity.run("documents-plain", 1, ["data.source=file", f"data.path={train}", "train.micro_batch_size=16"])
+    assert relative_error(documents_reference.losses, plain.losses) > 1e-3
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_train_and_evaluate_alike(layout, documents_reference, token_files, parity):
+    from safetensors.torch import load_file
+
+    nproc, overrides = LAYOUTS[layout]
+    run = parity.run(f"documents-{layout}", nproc, [*document_overrides(token_files), *overrides])
+    assert relative_error(run.losses, documents_reference.losses) < 1e-5, (run.losses, documents_reference.losses)
+    val = [r["val_loss"] for r in run.metrics if "val_loss" in r]
+    reference_val = [r["val_loss"] for r in documents_reference.metrics if "val_loss" in r]
+    assert len(val) == 2 and relative_error(val, reference_val) < 1e-5, (val, reference_val)
+    torch.testing.assert_close(load_file(str(run.run_dir / "model.safetensors")),
+                               load_file(str(documents_reference.run_dir / "model.safetensors")), rtol=1e-5, atol=1e-5)
