@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import relative_error
-from parallel3d.config import EvalConfig, compose
+from parallel3d.config import DataConfig, EvalConfig, compose
 from parallel3d.data import load_tokenizer, open_eval_corpus, text_files, write_token_file
 from parallel3d.evaluate import Evaluator, stage_owners
 from parallel3d.data import BatchSpec
@@ -37,11 +37,11 @@ def token_files(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_eval_is_due_every_n_steps_and_at_the_last(token_files):
-    tokens = open_eval_corpus(None, EvalConfig(sources=[str(token_files[1])]))
+    tokens = open_eval_corpus(DataConfig(), EvalConfig(sources=[str(token_files[1])])).tokens
     spec = BatchSpec(16, 4, 64)
     assert [s for s in range(1, 11) if Evaluator(tokens, spec, 0, EvalConfig(every=4), 10).due(s)] == [4, 8, 10]
     assert [s for s in range(1, 11) if Evaluator(tokens, spec, 0, EvalConfig(every=0), 10).due(s)] == [10]
-    assert open_eval_corpus(None, EvalConfig()) is None
+    assert open_eval_corpus(DataConfig(), EvalConfig()) is None
 
 
 def test_stage_owners():

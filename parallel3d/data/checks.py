@@ -13,15 +13,22 @@ import gzip
 import json
 from pathlib import Path
 
-from parallel3d.data.sources import DataError, Shard, resolve
+from parallel3d.data.sources import DataError, Shard, is_token_file, resolve
 from parallel3d.base import ConfigError
 
 
 def check_data(cfg) -> None:
     d, e = cfg.data, cfg.eval
-    for path in [*d.sources, *e.sources]:
-        for shard in resolve(path):
-            _check_header(shard, d.text_field)
+    for key, paths in (("data.sources", d.sources), ("eval.sources", e.sources)):
+        for path in paths:
+            if is_token_file(path):
+                _check_token_file(Path(path).expanduser(), cfg.model.vocab_size, key)
+                continue
+            try:
+                for shard in resolve(path):
+                    _check_header(shard, d.text_field)
+            except DataError as e:  # named by the key that lists the file
+                raise ConfigError(key, e.where, e.problem, e.fix) from None
     if d.weights is not None:
         if not d.sources:
             raise ConfigError("data.weights", list(d.weights), "weights without data.sources",
@@ -37,6 +44,9 @@ def check_data(cfg) -> None:
     if e.fraction > 0 and not d.sources and not e.sources:
         raise ConfigError("eval.fraction", e.fraction, "documents are held out of data.sources, which is empty",
                           "set data.sources, or give held-out files in eval.sources")
+    if e.fraction > 0 and not e.sources and all(is_token_file(p) for p in d.sources):
+        raise ConfigError("eval.fraction", e.fraction, "token files are taken whole: no documents to hold out",
+                          "give held-out files in eval.sources")
     if e.every < 0 or e.batches < 1:
         raise ConfigError("eval.every" if e.every < 0 else "eval.batches", e.every if e.every < 0 else e.batches,
                           "eval.every must be >= 0 and eval.batches >= 1", "use e.g. eval.every=100 eval.batches=4")
@@ -44,14 +54,14 @@ def check_data(cfg) -> None:
         _check_token_file(Path(d.path).expanduser(), cfg.model.vocab_size)
 
 
-def _check_token_file(path: Path, model_vocab: int) -> None:
+def _check_token_file(path: Path, model_vocab: int, key: str = "data.path") -> None:
     meta_path = path.with_suffix(".json")
     if not meta_path.is_file():
-        raise ConfigError("data.path", path, f"{meta_path.name} is missing beside it",
+        raise ConfigError(key, path, f"{meta_path.name} is missing beside it",
                           "write token files with tools/prepare_data.py (it writes both)")
     vocab = json.loads(meta_path.read_text())["vocab_size"]
     if vocab > model_vocab:
-        raise ConfigError("data.path", path, f"its tokens come from a vocabulary of {vocab}, larger than "
+        raise ConfigError(key, path, f"its tokens come from a vocabulary of {vocab}, larger than "
                           f"model.vocab_size={model_vocab}", f"use model.vocab_size >= {vocab}")
 
 

@@ -19,7 +19,7 @@ from parallel3d.data.dataset import TokenFile, stdlib_token_file
 from parallel3d.data.mixture import MixtureSampler, SourceTokens
 from parallel3d.data.sampler import BatchSpec, StepSampler
 from parallel3d.data.shards import prepare_shards
-from parallel3d.data.sources import resolve, source_name
+from parallel3d.data.sources import is_token_file, resolve, source_name
 from parallel3d.data.tokenizer import load_tokenizer
 
 
@@ -60,15 +60,18 @@ def open_sources(paths: list[str], data_cfg, heldout_fraction: float, workers: W
     """The sources' token streams, tokenizing what the cache lacks. ``heldout``: the held-out
     documents instead of the training ones."""
     tokenizer = load_tokenizer(data_cfg.tokenizer)
-    shards = [resolve(p) for p in paths]
+    shards = [[] if is_token_file(p) else resolve(p) for p in paths]
     flat = [s for group in shards for s in group]
     files = prepare_shards(flat, tokenizer, data_cfg.text_field, heldout_fraction, data_cfg.cache_dir,
-                           workers.rank, workers.world_size, workers.barrier)
+                           workers.rank, workers.world_size, workers.barrier) if flat else []
     sources, i = [], 0
-    for name, group in zip(_unique_names(paths), shards):
-        paths_here = [f.heldout if heldout else f.train for f in files[i : i + len(group)]]
-        sources.append(SourceTokens(name, [TokenFile(p).tokens for p in paths_here]))
-        i += len(group)
+    for name, path, group in zip(_unique_names(paths), paths, shards):
+        if is_token_file(path):  # prepared ahead (tools/prepare_data.py): all of it is what it was made for
+            arrays = [] if heldout else [TokenFile(path).tokens]
+        else:
+            arrays = [TokenFile(f.heldout if heldout else f.train).tokens for f in files[i : i + len(group)]]
+            i += len(group)
+        sources.append(SourceTokens(name, arrays))
     return Corpus(sources, tokenizer.eos_id, tokenizer.bos_id, tokenizer.vocab_size)
 
 

@@ -49,6 +49,13 @@ class Shard:
         return [self.kind, *[(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files]]
 
 
+def is_token_file(source: str) -> bool:
+    """A token file written by tools/prepare_data.py (NAME.bin with NAME.json beside it): already
+    tokenized, read as it is."""
+    path = Path(source).expanduser()
+    return path.suffix == ".bin" and path.is_file() and path.with_suffix(".json").is_file()
+
+
 def _kind(path: Path) -> str | None:
     name = path.name.lower()
     if name.endswith(JSON_SUFFIXES):
@@ -88,7 +95,7 @@ def resolve(source: str) -> list[Shard]:
 def source_name(source: str) -> str:
     """A short name for metrics: the file or folder name without its data suffix."""
     name = Path(source.rstrip("/")).name
-    for suffix in (*JSON_SUFFIXES, *PARQUET_SUFFIXES):
+    for suffix in (*JSON_SUFFIXES, *PARQUET_SUFFIXES, ".bin"):
         name = name.removesuffix(suffix)
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "source"
 
