@@ -179,6 +179,32 @@ def test_stop_signals_agree_ctrl_c_twice_exits_at_once(tmp_path, capsys):
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    usr1 = StopSignals(tmp_path / "checkpoints").install()  # Slurm's warning, passed on by torchrun
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert usr1.should_stop(1) and usr1.received == signal.SIGUSR1
+        assert "SIGUSR1 during step 1" in capsys.readouterr().err
+    finally:
+        usr1.restore()
+
+
+def test_a_failure_is_one_line_and_the_debug_switch_prints_the_traceback(tmp_path, monkeypatch, capsys):
+    from parallel3d.faults import RunError, report_failure
+
+    def fail():
+        raise RunError("data/x.bin is broken. Fix: write it again")
+
+    for debug in ("", "1"):
+        monkeypatch.setenv("PARALLEL3D_DEBUG", debug)
+        try:
+            fail()
+        except RunError as e:
+            report_failure(e, str(tmp_path), 0)
+        err = capsys.readouterr().err
+        assert err.count("parallel3d: error: data/x.bin is broken. Fix: write it again (traceback in "
+                         f"{tmp_path / 'logs' / 'rank0.log'}") == 1
+        assert ("Traceback" in err) == bool(debug)
+    assert (tmp_path / "logs" / "rank0.log").read_text().count("Traceback") == 2
 
 
 def test_plan_layout_gpu_memory_is_gib_without_a_unit():
