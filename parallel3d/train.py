@@ -35,6 +35,7 @@ from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_byte
 from parallel3d.models import Transformer, flops_per_token, num_params
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
 from parallel3d.parallel import parallelize
+from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync, uses_autocast
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts, build_schedule, num_stages
 from parallel3d.progress import Progress
@@ -108,7 +109,8 @@ def train(cfg: DictConfig) -> Path:
     dims = ParallelDims.from_config(c.parallel)
     meshes = build_mesh(dims, device.type)
     spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
-    tokens_per_rank = spec.local_batch_size * t.seq_len  # loss is a mean over the global batch's tokens
+    # loss is a mean over the global batch's tokens; a cp rank holds 1/cp of each sequence's
+    tokens_per_rank = spec.local_batch_size * t.seq_len // c.parallel.cp
     global_tokens = t.global_batch_size * t.seq_len
 
     def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -171,8 +173,8 @@ def train(cfg: DictConfig) -> Path:
             loss_avg = loss_sum.clone()
             if meshes.pp is not None:  # only the last stage computed a loss
                 dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
-            if meshes.dp is not None:
-                dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=meshes.dp.get_group())
+            if meshes.dp_cp is not None:
+                dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=meshes.dp_cp.get_group())
             loss_value, norm_value = loss_avg.item(), grad_norm.item()
             if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
                 progress.close()  # end the bar's line before the error message
@@ -253,7 +255,7 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
     schedule under pp), the tied embeddings' gradient sum, global-norm clipping, optimizer and lr
     steps. Returns (this rank's summed loss, the gradient norm); the gradients stay for the caller
     to measure and zero. The dry run (parallel3d/dryrun.py) runs this same function on fake tensors."""
-    dp = 1 if meshes.dp is None else meshes.dp.size()
+    dp = 1 if meshes.dp_cp is None else meshes.dp_cp.size()
     autocast = (torch.autocast(device.type, dtype=DTYPES[c.train.param_dtype])
                 if uses_autocast(dp, c.train.param_dtype) else contextlib.nullcontext())
     # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
@@ -262,9 +264,10 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
     loss_sum = torch.zeros((), device=device)
     if pipeline is None:
         for i, (inputs, targets) in enumerate(micro_batches):
-            if meshes.dp is not None:  # the data-parallel wrapper reduces on the last micro batch only
+            if meshes.dp_cp is not None:  # the data-parallel wrapper reduces on the last micro batch only
                 set_gradient_sync(model, i == len(micro_batches) - 1, c.parallel.zero_stage)
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            inputs, targets = shard_batch(meshes.cp, inputs.to(device, non_blocking=True),
+                                          targets.to(device, non_blocking=True))
             with vocab_parallel():
                 with autocast:
                     loss = loss_fn(model(inputs), targets)
@@ -275,6 +278,7 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
             chunk = micro_batches[k : k + pipeline.microbatches]
             inputs = torch.cat([x for x, _ in chunk]).to(device, non_blocking=True)
             targets = torch.cat([y for _, y in chunk]).to(device, non_blocking=True)
+            inputs, targets = shard_batch(meshes.cp, inputs, targets)
             losses: list[torch.Tensor] = []  # filled on the rank holding the last stage only
             # return_outputs=False: else the last stage keeps every microbatch's logits for step() to
             # return (4 GiB on the 405B recipe), which nothing here reads.

@@ -58,16 +58,41 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # Context parallelism (parallel/context.py) swaps in attention across the cp ranks, which
+        # also knows the global positions of this rank's part of the sequence.
+        self.attend = LocalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         # Head counts come from the tensors, not the config: under tensor parallelism a rank
         # holds only its share of the heads.
         q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
-        # The whole sequence is here (sequence parallelism gathers it before attention).
-        cos, sin = cos[: q.shape[2]], sin[: q.shape[2]]
+        # The whole sequence is here (sequence parallelism gathers it before attention), or this
+        # context-parallel rank's part of it.
+        if positions is None:
+            positions = self.attend.positions(q.shape[2], q.device)
+        if positions is None:
+            cos, sin = cos[: q.shape[2]], sin[: q.shape[2]]
+        else:  # (s,) or per sequence (b, s): broadcast over the heads
+            cos, sin = cos[positions], sin[positions]
+            cos, sin = (cos.unsqueeze(1), sin.unsqueeze(1)) if positions.dim() == 2 else (cos, sin)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+        return self.wo(rearrange(self.attend(q, k, v, doc_ids), "b h s d -> b s (h d)"))
+
+
+class LocalAttention:
+    """Attention over the sequence this process holds: causal, within documents when given."""
+
+    def positions(self, seq_len: int, device) -> None:
+        return None  # 0 .. seq_len - 1
+
+    def __call__(self, q, k, v, doc_ids=None):
+        gqa = q.shape[1] != k.shape[1]
+        if doc_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        mask = causal & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):

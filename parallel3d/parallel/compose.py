@@ -1,7 +1,7 @@
 """parallelize(): the one function that states how the parallelisms compose on a model.
 
 Order, applied to the model while it is still on the meta device:
-    tensor parallel -> activation checkpointing -> torch.compile -> data parallel
+    tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> data parallel
 Data parallelism goes last because FSDP must see the final (tensor-parallel, checkpointed,
 compiled) blocks it shards: FSDP on top of tensor parallelism shards the tp-local DTensors
 over the data-parallel mesh dims, giving 2D (or, with HSDP, 3D) parameters.
@@ -13,6 +13,7 @@ from torch import nn
 
 from parallel3d.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
+from parallel3d.parallel.context import apply_context_parallel
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.tensor import apply_tensor_parallel
 from parallel3d.validate import DTYPES
@@ -36,8 +37,10 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel, train) -> None:
     place, in the order above. Activation checkpointing and compile read the model's own config."""
     if meshes.tp is not None:
         apply_tensor_parallel(model, meshes.tp, parallel.sequence_parallel)
+    if meshes.cp is not None:
+        apply_context_parallel(model, meshes.cp, parallel.cp_method)
     apply_activation_checkpointing(model, model.cfg.activation_checkpoint, model.cfg.activation_checkpoint_every)
     if model.cfg.compile:
         compile_blocks(model)
-    if meshes.dp is not None:
-        apply_data_parallel(model, meshes.dp, meshes.fsdp, data_parallel_plan(parallel, train))
+    if meshes.dp_cp is not None:  # cp ranks hold the same parameters as data-parallel ranks do
+        apply_data_parallel(model, meshes.dp_cp, meshes.fsdp, data_parallel_plan(parallel, train))

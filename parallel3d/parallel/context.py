@@ -36,9 +36,10 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from parallel3d.models.llama import LocalAttention
 
 CP_METHODS = ("alltoall", "ring")
 
@@ -51,6 +52,13 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.T
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim)
 
 
+def shard_batch(cp_mesh: DeviceMesh | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """This cp rank's shard of each (b, s) tensor of a micro batch (inputs, targets, doc ids)."""
+    if cp_mesh is None:
+        return tensors
+    return tuple(shard_sequence(t, cp_mesh.get_local_rank(), cp_mesh.size()) for t in tensors)
+
+
 def shard_positions(local_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
     """Global positions (local_len,) of the tokens that cp rank ``rank`` holds."""
     chunk = local_len // 2
@@ -59,24 +67,7 @@ def shard_positions(local_len: int, rank: int, cp: int, device=None) -> torch.Te
                       torch.arange(second, second + chunk, device=device)])
 
 
-def document_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
-                  k_doc: torch.Tensor | None) -> torch.Tensor:
-    """True where a query may attend a key: causal by global position, and in the same document.
-    (sq, sk) without documents, (b, 1, sq, sk) with them."""
-    mask = q_pos[:, None] >= k_pos[None, :]
-    if q_doc is None:
-        return mask
-    return mask & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
-
-
-def local_attention(q, k, v, doc_ids=None):
-    """One process's attention over the whole sequence: causal, within documents if given."""
-    gqa = q.shape[1] != k.shape[1]
-    if doc_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    pos = torch.arange(q.shape[2], device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(pos, pos, doc_ids, doc_ids),
-                                          enable_gqa=gqa)
+local_attention = LocalAttention()  # one process's attention: what every method must equal
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class Layout(ParallelDims):
 
         p, t, m = cfg.parallel, cfg.train, cfg.model
         return cls(
-            dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
+            dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, zero_stage=p.zero_stage,
             sequence_parallel=bool(p.sequence_parallel), pp_schedule=p.pp_schedule,
             stages_per_rank=stages_per_rank(p.pp_schedule, p.pp_stages_per_rank) if p.pp > 1 else 1,
             layers_per_stage=tuple(p.pp_layers_per_stage) if p.pp_layers_per_stage else None,
@@ -108,8 +108,9 @@ class Layout(ParallelDims):
     @property
     def shards(self) -> int:
         """Ranks the model state is sharded over: all data-parallel ranks for ZeRO-1, dp_shard for
-        ZeRO-2/3 (HSDP replicates the shards), none for DDP (see ``parallel/data.py``)."""
-        return {0: 1, 1: self.dp}.get(self.zero_stage, self.dp_shard)
+        ZeRO-2/3 (HSDP replicates the shards), none for DDP (see ``parallel/data.py``); times cp,
+        whose ranks hold the same parameters (``mesh.py``)."""
+        return {0: 1, 1: self.dp * self.cp}.get(self.zero_stage, self.dp_shard * self.cp)
 
     @property
     def compute_bytes(self) -> int:
@@ -122,7 +123,7 @@ class Layout(ParallelDims):
     @property
     def autocast(self) -> bool:
         """Compute under autocast, float32 residual stream (``parallel.data.uses_autocast``)."""
-        return uses_autocast(self.dp, self.param_dtype)
+        return uses_autocast(self.dp * self.cp, self.param_dtype)
 
     @property
     def residual_bytes(self) -> int:

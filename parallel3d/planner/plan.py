@@ -111,9 +111,9 @@ class Plan:
         return self.step_time.total_s if self.step_time else None
 
     def rank_model_state(self, rank: int) -> ModelState:
-        """Exact model state of global ``rank`` (mesh order pp, dp_replicate, dp_shard, tp)."""
+        """Exact model state of global ``rank`` (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
         lay = self.layout
-        pp_rank, dp_rank = rank // (lay.dp * lay.tp), rank // lay.tp % lay.dp
+        pp_rank, dp_rank = rank // (lay.dp * lay.cp * lay.tp), rank // lay.tp % (lay.dp * lay.cp)
         stages = rank_stages(lay, self.model.n_layers, pp_rank)
         return sum((stage_model_state(self.model, s, lay, dp_rank) for s in stages), ModelState())
 
