@@ -182,6 +182,30 @@ LAYOUTS = {
     "pp_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B", "train.global_batch_size=4"], 2, lambda M: {
         ("pp", "send"): M * ACT, ("pp", "recv"): M * ACT, ("pp", "all_reduce"): F32},
         lambda M: {("pp", "all_reduce"): F32}),
+    # Context parallelism (parallel/context.py), cp=2 over the sequence (FSDP shards over cp: the
+    # ZeRO-3 pattern on the "cp" group). alltoall, per block and micro batch: q and the output
+    # (B*S/2*D each) and k, v (kv heads 2, already a multiple of cp: B*S/2*D/2 each) exchanged once
+    # in forward and once in backward: 3*ACT. ring: k and v stacked (ACT/2) one hop in forward,
+    # one in backward and their gradients one hop home: 3*ACT/2 sent. Both the algorithm's minimum.
+    "cp_alltoall": (2, ["parallel.cp=2", "train.global_batch_size=4"], 2, lambda M: {
+        ("cp", "all_gather"): 2 * M * P - M * ROOT, ("cp", "reduce_scatter"): M * P,
+        ("cp", "all_reduce"): GRAD_NORM, ("cp", "all_to_all"): 3 * M * L * ACT},
+        lambda M: {("cp", "all_reduce"): GRAD_NORM}),
+    "cp_ring": (2, ["parallel.cp=2", "parallel.cp_method=ring", "train.global_batch_size=4"], 2, lambda M: {
+        ("cp", "all_gather"): 2 * M * P - M * ROOT, ("cp", "reduce_scatter"): M * P,
+        ("cp", "all_reduce"): GRAD_NORM, ("cp", "send"): 3 * M * L * ACT // 2, ("cp", "recv"): 3 * M * L * ACT // 2},
+        lambda M: {("cp", "all_reduce"): GRAD_NORM}),
+    # Full recomputation repeats each block's forward exchanges (1.5*ACT).
+    "cp_alltoall_full": (2, ["parallel.cp=2", "train.global_batch_size=4", "model.activation_checkpoint=full"], 2,
+                         lambda M: {("cp", "all_gather"): 2 * M * P - M * ROOT, ("cp", "reduce_scatter"): M * P,
+                                    ("cp", "all_reduce"): GRAD_NORM, ("cp", "all_to_all"): 9 * M * L * ACT // 2},
+                         lambda M: {("cp", "all_reduce"): GRAD_NORM}),
+    # dp_shard 2 x cp 2: FSDP over the flattened 4 ranks (group dp_shard_cp), the ring over cp.
+    "dp2_cp2_ring": (4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.cp_method=ring",
+                         "train.global_batch_size=8"], 2, lambda M: {
+        ("dp_shard_cp", "all_gather"): 2 * M * P - M * ROOT, ("dp_shard_cp", "reduce_scatter"): M * P,
+        ("dp_shard_cp", "all_reduce"): GRAD_NORM, ("cp", "send"): 3 * M * L * ACT // 2,
+        ("cp", "recv"): 3 * M * L * ACT // 2}, lambda M: {("dp_shard_cp", "all_reduce"): GRAD_NORM}),
 }
 
 

@@ -17,8 +17,9 @@ Two ways to attend across the ranks (``parallel.cp_method``):
 - ``ring`` (ring attention): k/v blocks pass around the cp ring, n - 1 hops; each rank merges
   the blocks' partial softmaxes by their logsumexp (online softmax). Sub-blocks that the causal
   mask hides entirely are skipped: with the head-tail layout every hop but the first computes half
-  of a block. The backward recomputes each block's probabilities from the saved logsumexp and
-  sends the k/v gradients around the ring with the blocks, home after n hops.
+  of a block. The backward recomputes each block's probabilities from the saved logsumexp, sends
+  the blocks around again and sums each block's k/v gradient on its way from the next rank back to
+  its owner (n - 1 hops each way: the ring minimum).
 
 Why our own ring: torch's ``context_parallel`` (torch.distributed.tensor.experimental) runs its
 ring on CUDA only; on CPU in torch 2.13 SDPA dispatches the CPU flash kernel, which has no
@@ -213,18 +214,23 @@ def _ring_forward(q, k, v, doc_ids, ring: _Ring, scale: float):
 
 
 def _ring_backward(dout, q, k, v, doc_ids, out, lse, ring: _Ring, scale: float):
-    """Gradients of q, k, v. dk/dv of each block ride along with it and arrive home after n hops."""
+    """Gradients of q, k, v. The k/v blocks go around the ring again (n - 1 hops); the gradient of
+    each block is summed on its way home: it starts at the next rank (the owner keeps its own
+    block's part) and reaches the owner after n - 1 hops, the minimum for a ring reduction."""
     c = q.shape[3] // 2
     delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction
     q_h, dout_h, lse_h, delta_h = (_halves(t, 3) for t in (q, dout, lse, delta))
     q_docs = _halves(doc_ids, 1)
     dq = [torch.zeros_like(q_h[0]), torch.zeros_like(q_h[1])]
     kv, k_doc = torch.stack([k, v]), doc_ids
-    dkv = torch.zeros_like(kv)
+    own = torch.zeros_like(kv)  # this rank's block: its gradient stays here
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
+        if step == 1:
+            dkv = torch.zeros_like(kv)  # the previous rank's block: its gradient starts here
+        target = own if step == 0 else dkv
         k_halves, v_halves, k_docs = _halves(kv[0], 2), _halves(kv[1], 2), _halves(k_doc, 1)
-        dk_halves, dv_halves = _halves(dkv[0], 2), _halves(dkv[1], 2)
+        dk_halves, dv_halves = _halves(target[0], 2), _halves(target[1], 2)
         for i, j, causal in _visible_pairs(ring.rank, src, ring.size):
             s = _scores(q_h[i], k_halves[j], _pair_mask(causal, q_docs[i], k_docs[j], c, q.device), scale)
             p = torch.exp(s - lse_h[i][..., None])
@@ -237,7 +243,9 @@ def _ring_backward(dout, q, k, v, doc_ids, out, lse, ring: _Ring, scale: float):
             kv = ring.shift(kv)
             if k_doc is not None:
                 k_doc = ring.shift(k_doc)
-        dkv = ring.shift(dkv)  # after n shifts, each block's gradient is back with its owner
+        if step >= 1:
+            dkv = ring.shift(dkv)  # after the last hop: this rank's own block's, from everyone else
+    dkv = own + dkv
     return torch.cat(dq, dim=3), dkv[0], dkv[1]
 
 

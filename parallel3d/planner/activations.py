@@ -52,7 +52,7 @@ class Geometry:
 
     @classmethod
     def of(cls, layout: Layout) -> "Geometry":
-        tokens = layout.micro_batch_size * layout.seq_len
+        tokens = layout.micro_batch_size * layout.seq_len // layout.cp  # a cp rank's part of each sequence
         split = layout.tp > 1 and layout.sequence_parallel
         return cls(tokens, tokens // layout.tp if split else tokens, layout.compute_bytes, layout.residual_bytes,
                    layout.tp, layout.device == "cpu", layout.autocast)

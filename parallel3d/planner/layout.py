@@ -53,6 +53,7 @@ class Layout(ParallelDims):
     degrees (``dp``, ``world_size`` from ParallelDims) and what else decides memory and time."""
 
     zero_stage: int
+    cp_method: str = "alltoall"
     sequence_parallel: bool = True
     pp_schedule: str = "1F1B"
     stages_per_rank: int = 1  # v: pipeline stages each pp rank runs (looped / V schedules)
@@ -75,7 +76,8 @@ class Layout(ParallelDims):
 
         p, t, m = cfg.parallel, cfg.train, cfg.model
         return cls(
-            dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, zero_stage=p.zero_stage,
+            dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, cp_method=p.cp_method,
+            zero_stage=p.zero_stage,
             sequence_parallel=bool(p.sequence_parallel), pp_schedule=p.pp_schedule,
             stages_per_rank=stages_per_rank(p.pp_schedule, p.pp_stages_per_rank) if p.pp > 1 else 1,
             layers_per_stage=tuple(p.pp_layers_per_stage) if p.pp_layers_per_stage else None,
