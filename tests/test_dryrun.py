@@ -81,6 +81,23 @@ def test_llama3_405b_on_512_ranks_tp8_pp8_dp8():
     assert elapsed < 120
 
 
+def test_llama3_8b_at_128k_on_64_ranks_cp2_tp4():
+    """The long-context recipe (what the planner recommends, tests/test_planner.py) runs its step on
+    64 fake ranks: the all-to-all bytes are the closed form and the planner's, and its peak fits."""
+    [r] = dry_run(["recipe=llama3_8b_128k"], 64)
+    assert r.coords == {"dp_shard": 0, "cp": 0, "tp": 0}
+    tokens, head_dim, bf16 = 131072 // 2, 128, 2  # this cp rank's half of one sequence
+    q = tokens * 32 // 4 * head_dim * bf16  # 8 of 32 heads per tp rank
+    kv = tokens * 8 // 4 * head_dim * bf16  # 2 kv heads per tp rank: a multiple of cp already
+    # per block: q, k, v and the output in forward, again in the recomputed forward, and backward
+    assert comm(r)["cp", "all_to_all"] == 3 * 32 * (2 * q + 2 * kv)
+    plan = predict(compose(["recipe=llama3_8b_128k", "train.device=cpu", "run_dir=/nonexistent"]), 64)
+    assert r.comm["cp"]["all_to_all"].sent_bytes == pytest.approx(plan.comm_bytes["cp"]["all_to_all"])
+    print(f"8B 128K rank 0: peak {r.peak_bytes / 2**30:.1f} GiB, planner {plan.peak_bytes / 2**30:.1f} GiB")
+    assert abs(plan.peak_bytes / r.peak_bytes - 1) < 0.10
+    assert r.peak_bytes < 0.9 * 80 * 2**30
+
+
 @pytest.mark.parametrize("name", list(bench_memory.QUICK))
 def test_planned_peak_memory_is_within_10_percent_of_the_dry_run(name):
     """The planner's peak (CPU kernels, as the dry run runs them) against the measured peak of all

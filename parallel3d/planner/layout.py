@@ -138,7 +138,8 @@ class Layout(ParallelDims):
         pp = f"pp{self.pp}"
         if self.pp > 1:
             pp += f"/{self.pp_schedule}" + (f"x{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
-        return f"{dp} tp{self.tp} {pp} z{self.zero_stage} mb{self.micro_batch_size} ac={self.activation_checkpoint}"
+        cp = f" cp{self.cp}/{self.cp_method}" if self.cp > 1 else ""
+        return f"{dp}{cp} tp{self.tp} {pp} z{self.zero_stage} mb{self.micro_batch_size} ac={self.activation_checkpoint}"
 
     def to_dict(self) -> dict:
         return asdict(self)
