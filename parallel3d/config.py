@@ -66,6 +66,8 @@ class ParallelConfig:
     dp_shard: int = -1  # -1: every rank left over after dp_replicate, tp and pp
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: ranks that split each sequence (parallel/context.py)
+    cp_method: str = "alltoall"  # alltoall (Ulysses, heads) | ring (k/v blocks around the cp ranks)
     # 0 = DDP, 1 = + optimizer state sharded, 2 = + gradients (SHARD_GRAD_OP), 3 = + parameters
     zero_stage: int = 3
     # Hugging Face Accelerate's names, for users who arrive with them. When set, it decides

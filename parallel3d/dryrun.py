@@ -267,6 +267,10 @@ def _dim_of_group(meshes: Meshes, tied) -> dict[str, str]:
             names[meshes.world.get_group(dim).group_name] = dim
     if meshes.dp is not None and meshes.dp.mesh_dim_names == ("dp",):  # dp_replicate x dp_shard, flattened
         names[meshes.dp.get_group().group_name] = "dp"
+    for mesh in (meshes.dp_cp, meshes.fsdp):  # with cp: data-parallel (shard) ranks x cp, flattened
+        for dim in (mesh.mesh_dim_names if mesh is not None else ()):
+            if dim in ("dp_cp", "dp_shard_cp"):
+                names[mesh.get_group(dim).group_name] = dim
     if tied is not None and tied.group is not None:  # first and last pp stage of one (dp, tp) coordinate
         names[tied.group.group_name] = "pp_ends"
     return names
@@ -275,12 +279,13 @@ def _dim_of_group(meshes: Meshes, tied) -> dict[str, str]:
 def _static_stage_metadata(pipeline, c: Config, dims: ParallelDims) -> None:
     """Give each stage the shapes its neighbours would have sent at start-up (see module docstring)."""
     t = c.train
-    seq = t.seq_len // dims.tp if dims.tp > 1 and c.parallel.sequence_parallel else t.seq_len
-    dtype = torch.float32 if uses_autocast(dims.dp, t.param_dtype) else DTYPES[t.param_dtype]
+    local = t.seq_len // dims.cp  # a cp rank's part of each sequence
+    seq = local // dims.tp if dims.tp > 1 and c.parallel.sequence_parallel else local
+    dtype = torch.float32 if uses_autocast(dims.dp * dims.cp, t.param_dtype) else DTYPES[t.param_dtype]
     with torch.device("meta"):
         hidden = torch.empty(t.micro_batch_size, seq, c.model.dim, dtype=dtype, requires_grad=True)
-        tokens = torch.empty(t.micro_batch_size, t.seq_len, dtype=torch.long)
-        logits = torch.empty(t.micro_batch_size, t.seq_len, c.model.vocab_size // dims.tp)  # counted only
+        tokens = torch.empty(t.micro_batch_size, local, dtype=torch.long)
+        logits = torch.empty(t.micro_batch_size, local, c.model.vocab_size // dims.tp)  # counted only
     for stage in pipeline.stages:
         stage._user_meta = _StageMeta(inputs=extract_tensor_metas((tokens,) if stage.is_first else (hidden,)),
                                       outputs=extract_tensor_metas((logits,) if stage.is_last else (hidden,)))

@@ -1,22 +1,26 @@
 """Parallel degrees and the one DeviceMesh they describe.
 
-The world is laid out as (pp, dp_replicate, dp_shard, tp), outermost first: tp ranks are
-neighbours (same node, fastest links), pipeline stages are furthest apart. Dimensions of size 1
+The world is laid out as (pp, dp_replicate, dp_shard, cp, tp), outermost first: tp ranks are
+neighbours (same node, fastest links), then the context-parallel ranks that split each sequence,
+pipeline stages are furthest apart. Dimensions of size 1
 are left out of the mesh entirely, so a layout pays only for the process groups it uses.
 
     8 ranks, pp=2 dp_shard=2 tp=2:          rank = ((pp * dp_replicate + r) * dp_shard + s) * tp + t
         pp0: dp0 [0 1]  dp1 [2 3]           (tp pairs in brackets)
         pp1: dp0 [4 5]  dp1 [6 7]
+
+cp ranks hold the same parameters (they split the sequence, not the model), so FSDP shards over
+dp_shard x cp and gradients are averaged over every data-parallel and cp rank (``dp_cp``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -25,11 +29,12 @@ class ParallelDims:
     dp_shard: int
     tp: int
     pp: int
+    cp: int = field(default=1, kw_only=True)  # context parallel: ranks that split each sequence
 
     @classmethod
     def from_config(cls, parallel) -> "ParallelDims":
         """From a validated ParallelConfig (dp_shard already resolved from -1)."""
-        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp)
+        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, cp=parallel.cp)
 
     @property
     def dp(self) -> int:
@@ -37,7 +42,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
@@ -52,7 +57,11 @@ class Meshes:
 
     world: Optional[DeviceMesh]
     dp: Optional[DeviceMesh] = None  # all data-parallel ranks, flattened: data slicing, loss averaging, DDP, ZeRO-1
-    fsdp: Optional[DeviceMesh] = None  # what fully_shard gets: dp_shard (1D) or (dp_replicate, dp_shard) for HSDP
+    fsdp: Optional[DeviceMesh] = None  # what fully_shard gets: dp_shard (x cp) (1D) or (dp_replicate, that) for HSDP
+    # Ranks that hold the same parameters: dp x cp, flattened (= dp without cp). Gradients and
+    # the loss are averaged over it; DDP and ZeRO-1 run on it.
+    dp_cp: Optional[DeviceMesh] = None
+    cp: Optional[DeviceMesh] = None
     tp: Optional[DeviceMesh] = None
     pp: Optional[DeviceMesh] = None
 
@@ -68,13 +77,30 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
         return Meshes(world=None)
     names = tuple(name for name, _ in active)
     world = init_device_mesh(device_type, tuple(size for _, size in active), mesh_dim_names=names)
-    dp_names = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
     meshes = Meshes(world=world)
+    dp_names = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
     if dp_names:
+        meshes.dp = _flat(world, dp_names, "dp")
+    if "cp" in names:
+        meshes.cp = world["cp"]
+    meshes.dp_cp = _flat(world, (*dp_names, "cp"), "dp_cp") if "cp" in names else meshes.dp
+    # FSDP shards over dp_shard (x cp), and replicates those shards over dp_replicate (HSDP).
+    shard_names = tuple(name for name in ("dp_shard", "cp") if name in names)
+    if shard_names:
+        shard = _flat(world, shard_names, "dp_shard_cp")
+        if "dp_replicate" in names:
+            meshes.fsdp = world[("dp_replicate", shard.mesh_dim_names[0])]
+        else:
+            meshes.fsdp = shard
+    elif dp_names:
         meshes.fsdp = world[dp_names]
-        meshes.dp = meshes.fsdp._flatten("dp") if len(dp_names) > 1 else meshes.fsdp
     if "tp" in names:
         meshes.tp = world["tp"]
     if "pp" in names:
         meshes.pp = world["pp"]
     return meshes
+
+
+def _flat(world: DeviceMesh, names: tuple[str, ...], flat_name: str) -> DeviceMesh:
+    """The named dims of ``world`` as one dim (itself when it is one already)."""
+    return world[names] if len(names) == 1 else world[names]._flatten(flat_name)

@@ -27,6 +27,7 @@ from parallel3d.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.models import Transformer
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
 from parallel3d.parallel import ParallelPlan, parallelize
+from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync, uses_autocast
 from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
 
@@ -75,7 +76,8 @@ def build_setup(c: Config, device: torch.device,
     dims = ParallelDims.from_config(c.parallel)
     meshes = build_mesh(dims, device.type)
     spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
-    loss_fn = token_loss_fn(spec.local_batch_size * t.seq_len, c.model.compile)
+    # a cp rank holds 1/cp of each of its sequences' tokens
+    loss_fn = token_loss_fn(spec.local_batch_size * t.seq_len // dims.cp, c.model.compile)
     microbatches = c.parallel.pp_microbatches or spec.num_micro_batches
     model, pipeline, tied = build_model(c, meshes, device, microbatches, loss_fn, materialize)
     with materialize or contextlib.nullcontext():
@@ -124,8 +126,7 @@ def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor,
             losses = _forward_backward(s, micro_batches)
         else:  # the schedule runs backward inside step(): autocast spans both
             with _autocast(s):
-                losses = s.pipeline.forward_backward(micro_batches, s.device,
-                                                     lambda inputs: document_inputs(inputs, c.data))
+                losses = s.pipeline.forward_backward(micro_batches, lambda x, y: rank_batch(s, x, y))
     loss_sum = torch.zeros((), device=s.device)
     for loss in losses:
         loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
@@ -140,10 +141,20 @@ def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor,
     return loss_sum, grad_norm
 
 
+def rank_batch(s: Setup, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A micro batch as this rank's model takes it: on the device, the document ids and positions
+    (``data.document_masking``, ``data.reset_positions``) read off the whole sequences, then every
+    (b, s) tensor cut to this context-parallel rank's share of the sequence."""
+    inputs, targets = inputs.to(s.device, non_blocking=True), targets.to(s.device, non_blocking=True)
+    extra = document_inputs(inputs, s.config.data)
+    inputs, targets, *values = shard_batch(s.meshes.cp, inputs, targets, *extra.values())
+    return inputs, targets, dict(zip(extra, values))
+
+
 def _autocast(s: Setup) -> contextlib.AbstractContextManager:
     """The bf16/fp16 compute context where the layout casts per op (``parallel.data.uses_autocast``)."""
     dtype = s.config.train.param_dtype
-    if uses_autocast(s.dims.dp, dtype):
+    if uses_autocast(s.dims.dp * s.dims.cp, dtype):
         return torch.autocast(s.device.type, dtype=DTYPES[dtype])
     return contextlib.nullcontext()
 
@@ -152,11 +163,11 @@ def _forward_backward(s: Setup, micro_batches: MicroBatches) -> list[torch.Tenso
     """Without pipeline parallelism: each micro batch forward and backward, gradients accumulating."""
     losses = []
     for i, (inputs, targets) in enumerate(micro_batches):
-        if s.meshes.dp is not None:  # the data-parallel wrapper reduces on the last micro batch only
+        if s.meshes.dp_cp is not None:  # the data-parallel wrapper reduces on the last micro batch only
             set_gradient_sync(s.model, i == len(micro_batches) - 1, s.config.parallel.zero_stage)
-        inputs, targets = inputs.to(s.device, non_blocking=True), targets.to(s.device, non_blocking=True)
+        inputs, targets, extra = rank_batch(s, inputs, targets)
         with _autocast(s):
-            loss = s.loss_fn(s.model(inputs, **document_inputs(inputs, s.config.data)), targets)
+            loss = s.loss_fn(s.model(inputs, **extra), targets)
         loss.backward()
         losses.append(loss.detach())
     return losses

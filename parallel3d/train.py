@@ -200,12 +200,12 @@ class TrainLoop:
 
 
 def global_loss(meshes, loss_sum: torch.Tensor) -> float:
-    """The step's loss over the global batch: the last pipeline stage's, averaged over dp."""
+    """The step's loss over the global batch: the last pipeline stage's, averaged over dp x cp."""
     loss = loss_sum.clone()
     if meshes.pp is not None:  # only the last stage computed a loss
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
-    if meshes.dp is not None:
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=meshes.dp.get_group())
+    if meshes.dp_cp is not None:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=meshes.dp_cp.get_group())
     return loss.item()
 
 

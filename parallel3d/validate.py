@@ -72,6 +72,7 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_data_parallel(cfg.parallel, cfg.train, device)
     _check_batch(cfg.train, cfg.parallel, cfg.model)
     _check_pipeline(cfg.parallel, cfg.train, cfg.model)
+    _check_context(cfg.parallel, cfg.train, cfg.model)
     _check_optim(cfg.optim, cfg.train.steps)
     _check_data(cfg.data, cfg.model)
     check_data(cfg)  # data sources, weights, eval
@@ -115,16 +116,16 @@ def _strategy_stage(p) -> int | None:
 
 
 def _resolve_dp_shard(p, world_size: int) -> int:
-    """``parallel.dp_shard``, with -1 replaced by the ranks left over after dp_replicate, tp, pp."""
-    for key in ("dp_replicate", "tp", "pp"):
+    """``parallel.dp_shard``, with -1 replaced by the ranks left over after dp_replicate, tp, pp, cp."""
+    for key in ("dp_replicate", "tp", "pp", "cp"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}", getattr(p, key), "a parallel degree must be >= 1", "use 1 or more")
     if p.dp_shard != -1:
         return p.dp_shard
-    rest = p.dp_replicate * p.tp * p.pp
+    rest = p.dp_replicate * p.tp * p.pp * p.cp
     if world_size % rest:
         raise ConfigError("parallel.dp_shard", -1, f"world size {world_size} is not divisible by "
-                          f"dp_replicate*tp*pp = {rest}", f"launch a multiple of {rest} ranks or change dp_replicate/tp/pp")
+                          f"dp_replicate*tp*pp*cp = {rest}", f"launch a multiple of {rest} ranks or change dp_replicate/tp/pp/cp")
     return world_size // rest
 
 
@@ -132,10 +133,10 @@ def _check_degrees(p, world_size: int) -> None:
     if p.dp_shard < 1:
         raise ConfigError("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 for all ranks left over",
                           "use -1 or a positive degree")
-    product = p.dp_replicate * p.dp_shard * p.tp * p.pp
+    product = p.dp_replicate * p.dp_shard * p.tp * p.pp * p.cp
     if product != world_size:
         raise ConfigError("parallel.dp_shard", p.dp_shard,
-                          f"dp_replicate*dp_shard*tp*pp = {p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp} = "
+                          f"dp_replicate*dp_shard*tp*pp*cp = {p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp}*{p.cp} = "
                           f"{product} but the world size is {world_size}",
                           f"make the product {world_size}, e.g. parallel.dp_shard=-1")
 
@@ -274,6 +275,27 @@ def _check_batch(t, p, m) -> None:
         raise ConfigError("train.grad_clip", t.grad_clip, "must be >= 0", "use 0 to disable clipping")
     if t.dist_timeout_s < 1:
         raise ConfigError("train.dist_timeout_s", t.dist_timeout_s, "must be >= 1", "use seconds, e.g. 300")
+
+
+def _check_context(p, t, m) -> None:
+    """Context parallelism (parallel/context.py): head-tail chunks, and heads to split for all-to-all."""
+    from parallel3d.parallel.context import CP_METHODS
+
+    if p.cp_method not in CP_METHODS:
+        raise ConfigError("parallel.cp_method", p.cp_method, "unknown method", f"use one of {', '.join(CP_METHODS)}")
+    if p.cp == 1:
+        return
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError("train.seq_len", t.seq_len, f"context parallelism cuts each sequence into 2*cp = "
+                          f"{2 * p.cp} chunks (head-tail load balancing)", f"use a multiple of {2 * p.cp}")
+    if p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError("train.seq_len", t.seq_len, f"each cp rank's {t.seq_len // p.cp} tokens are split again "
+                          f"over parallel.tp={p.tp} ranks (sequence parallelism)", f"use a multiple of {p.cp * p.tp}")
+    heads = m.n_heads // p.tp
+    if p.cp_method == "alltoall" and heads % p.cp:
+        raise ConfigError("parallel.cp", p.cp, f"all-to-all splits each tp rank's {heads} attention heads "
+                          f"(model.n_heads/parallel.tp) over cp ranks and they are not divisible",
+                          f"choose parallel.cp from {divisors(heads)}, or parallel.cp_method=ring")
 
 
 def _check_optim(o, steps: int) -> None:

@@ -81,6 +81,25 @@ def test_llama3_405b_on_512_ranks_tp8_pp8_dp8():
     assert elapsed < 120
 
 
+def test_llama3_8b_at_128k_on_64_ranks_cp2_tp4():
+    """The long-context recipe (what the planner recommends, tests/test_planner.py) runs its step on
+    64 fake ranks: the all-to-all bytes are the closed form and the planner's, and its peak fits an
+    80 GiB GPU."""
+    [r] = dry_run(["recipe=llama3_8b_128k"], 64)
+    assert r.coords == {"dp_shard": 0, "cp": 0, "tp": 0}
+    tokens, head_dim, bf16 = 131072 // 2, 128, 2  # this cp rank's half of one sequence
+    q = tokens * 32 // 4 * head_dim * bf16  # 8 of 32 heads per tp rank
+    kv = tokens * 8 // 4 * head_dim * bf16  # 2 kv heads per tp rank: a multiple of cp already
+    # per block: q, k, v and the output in forward, again in the recomputed forward, and backward
+    assert comm(r)["cp", "all_to_all"] == 3 * 32 * (2 * q + 2 * kv)
+    plan = predict(compose(["recipe=llama3_8b_128k", "train.device=cpu", "run_dir=/nonexistent"]), 64)
+    assert r.comm["cp"]["all_to_all"].sent_bytes == pytest.approx(plan.comm_bytes["cp"]["all_to_all"])
+    print(f"8B 128K rank 0: peak {r.peak_bytes / 2**30:.1f} GiB, planner {plan.peak_bytes / 2**30:.1f} GiB")
+    # Measured 41.5 GiB against the planner's 50.0: the planner errs on the safe side here, by more
+    # than the 10% it keeps on tools/bench_memory.py's matrix (not yet refined for cp at 128K).
+    assert r.peak_bytes <= plan.peak_bytes and r.peak_bytes < 0.9 * 80 * 2**30
+
+
 @pytest.mark.parametrize("name", list(bench_memory.QUICK))
 def test_planned_peak_memory_is_within_10_percent_of_the_dry_run(name):
     """The planner's peak (CPU kernels, as the dry run runs them) against the measured peak of all
@@ -182,6 +201,30 @@ LAYOUTS = {
     "pp_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B", "train.global_batch_size=4"], 2, lambda M: {
         ("pp", "send"): M * ACT, ("pp", "recv"): M * ACT, ("pp", "all_reduce"): F32},
         lambda M: {("pp", "all_reduce"): F32}),
+    # Context parallelism (parallel/context.py), cp=2 over the sequence (FSDP shards over cp: the
+    # ZeRO-3 pattern on the "cp" group). alltoall, per block and micro batch: q and the output
+    # (B*S/2*D each) and k, v (kv heads 2, already a multiple of cp: B*S/2*D/2 each) exchanged once
+    # in forward and once in backward: 3*ACT. ring: k and v stacked (ACT/2) one hop in forward,
+    # one in backward and their gradients one hop home: 3*ACT/2 sent. Both the algorithm's minimum.
+    "cp_alltoall": (2, ["parallel.cp=2", "train.global_batch_size=4"], 2, lambda M: {
+        ("cp", "all_gather"): 2 * M * P - M * ROOT, ("cp", "reduce_scatter"): M * P,
+        ("cp", "all_reduce"): GRAD_NORM, ("cp", "all_to_all"): 3 * M * L * ACT},
+        lambda M: {("cp", "all_reduce"): GRAD_NORM}),
+    "cp_ring": (2, ["parallel.cp=2", "parallel.cp_method=ring", "train.global_batch_size=4"], 2, lambda M: {
+        ("cp", "all_gather"): 2 * M * P - M * ROOT, ("cp", "reduce_scatter"): M * P,
+        ("cp", "all_reduce"): GRAD_NORM, ("cp", "send"): 3 * M * L * ACT // 2, ("cp", "recv"): 3 * M * L * ACT // 2},
+        lambda M: {("cp", "all_reduce"): GRAD_NORM}),
+    # Full recomputation repeats each block's forward exchanges (1.5*ACT).
+    "cp_alltoall_full": (2, ["parallel.cp=2", "train.global_batch_size=4", "model.activation_checkpoint=full"], 2,
+                         lambda M: {("cp", "all_gather"): 2 * M * P - M * ROOT, ("cp", "reduce_scatter"): M * P,
+                                    ("cp", "all_reduce"): GRAD_NORM, ("cp", "all_to_all"): 9 * M * L * ACT // 2},
+                         lambda M: {("cp", "all_reduce"): GRAD_NORM}),
+    # dp_shard 2 x cp 2: FSDP over the flattened 4 ranks (group dp_shard_cp), the ring over cp.
+    "dp2_cp2_ring": (4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.cp_method=ring",
+                         "train.global_batch_size=8"], 2, lambda M: {
+        ("dp_shard_cp", "all_gather"): 2 * M * P - M * ROOT, ("dp_shard_cp", "reduce_scatter"): M * P,
+        ("dp_shard_cp", "all_reduce"): GRAD_NORM, ("cp", "send"): 3 * M * L * ACT // 2,
+        ("cp", "recv"): 3 * M * L * ACT // 2}, lambda M: {("dp_shard_cp", "all_reduce"): GRAD_NORM}),
 }
 
 

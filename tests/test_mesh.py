@@ -14,7 +14,7 @@ def test_parallel_dims_dp_and_world_size():
     dims = ParallelDims(dp_replicate=2, dp_shard=3, tp=5, pp=7)
     assert dims.dp == 2 * 3
     assert dims.world_size == 2 * 3 * 5 * 7
-    assert dims.sizes() == {"pp": 7, "dp_replicate": 2, "dp_shard": 3, "tp": 5}
+    assert dims.sizes() == {"pp": 7, "dp_replicate": 2, "dp_shard": 3, "cp": 1, "tp": 5}
     assert list(dims.sizes()) == list(MESH_DIMS)  # outermost first
 
 
@@ -105,3 +105,27 @@ def test_build_mesh_pure_tp_has_no_dp_views(fake_world):
     assert meshes.dp is None and meshes.fsdp is None and meshes.pp is None
     assert meshes.dp_rank == 0
     assert meshes.tp.get_local_rank() == 3
+
+
+@pytest.mark.parametrize("rank", [0, 6, 13])
+def test_cp_sits_between_dp_shard_and_tp_and_fsdp_shards_over_dp_shard_x_cp(fake_world, rank):
+    """16 ranks, pp=2 dp_replicate=1 dp_shard=2 cp=2 tp=2 (docs/context_parallel.md's picture)."""
+    fake_world(rank=rank)
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=2, cp=2)
+    assert dims.world_size == 16 and dims.dp == 2
+    meshes = build_mesh(dims, "cpu")
+    assert meshes.world.mesh_dim_names == ("pp", "dp_shard", "cp", "tp")
+    c = _coords(rank, dims)
+    assert meshes.cp.get_local_rank() == c["cp"] and meshes.dp_rank == c["dp_shard"]
+    base = rank - c["dp_shard"] * 4 - c["cp"] * 2  # the (pp, tp) coordinate's first member
+    same_params = sorted(base + d * 4 + k * 2 for d in range(2) for k in range(2))
+    assert meshes.fsdp.mesh_dim_names == ("dp_shard_cp",) and meshes.fsdp.mesh.tolist() == same_params
+    assert meshes.dp_cp.mesh_dim_names == ("dp_cp",) and meshes.dp_cp.mesh.tolist() == same_params
+    assert meshes.dp.mesh.tolist() == [base + c["cp"] * 2 + d * 4 for d in range(2)]  # data: dp only
+
+
+def test_hsdp_with_cp_replicates_the_dp_shard_x_cp_shards(fake_world):
+    fake_world(rank=0)
+    meshes = build_mesh(ParallelDims(dp_replicate=2, dp_shard=2, tp=2, pp=1, cp=2), "cpu")
+    assert meshes.fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+    assert tuple(meshes.fsdp.mesh.shape) == (2, 4) and meshes.dp_cp.size() == 8 and meshes.dp.size() == 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import multiprocessing
 import sys
 import weakref
@@ -37,6 +38,7 @@ from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_part
 from parallel3d.parallel.tensor import apply_tensor_parallel
 from parallel3d.planner import Hardware, predict, rank_layouts
 from parallel3d.planner.comm import ring
+from parallel3d.planner.plan import evaluate
 from parallel3d.planner.schedule import _simulated_microbatches, bubble_fraction, in_flight_microbatches
 from parallel3d.validate import ConfigError, check
 
@@ -485,6 +487,26 @@ def test_tensor_parallelism_never_wins_across_nodes():
     assert across and inside
     assert min(c.step_s for c in inside) < min(c.step_s for c in across)
     assert next(c for c in cands if c.recommended).layout.tp <= 4
+
+
+def test_long_context_recipe_is_what_the_planner_recommends():
+    """Llama 3 8B at 128K tokens, 8 sequences a step on 64 GPUs: dp can reach 8 at most, and tp 8
+    alone loses to cp 2 x tp 4 (recipes/llama3_8b_128k.yaml). Our ring attention materializes its
+    sub-blocks' scores (parallel/context.py), so at 128K it needs more memory than all-to-all."""
+    cands = rank_layouts(compose(["model=llama3_8b"]).model, 64, seq_len=131072, global_batch_size=8,
+                         micro_batch_sizes=(1,), cp_degrees=(1, 2, 4, 8, 16))
+    best = next(c for c in cands if c.recommended)
+    recipe = compose(["recipe=llama3_8b_128k", "run_dir=/nonexistent"])
+    p = recipe.parallel
+    assert (best.layout.dp, best.layout.cp, best.layout.tp, best.layout.pp) == (p.dp_shard, p.cp, p.tp, p.pp)
+    assert (best.layout.cp_method, best.layout.zero_stage) == (p.cp_method, p.zero_stage)
+    assert best.layout.activation_checkpoint == recipe.model.activation_checkpoint
+    without_cp = [c for c in cands if c.layout.cp == 1]
+    assert without_cp and best.step_s < min(c.step_s for c in without_cp)
+    # cp divides the activations: the same layout's activation bytes halve from cp 1 to cp 2
+    lay = best.layout
+    halved = evaluate(best.plan.model, dataclasses.replace(lay, cp=1, dp_shard=16)).activation_bytes
+    assert best.plan.activation_bytes * 2 == pytest.approx(halved, rel=1e-3)
 
 
 def test_predict_validates_and_leaves_the_config_alone():

@@ -34,8 +34,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids_q: torch.Ten
 
 def rotary_tables(cos: torch.Tensor, sin: torch.Tensor, seq_len: int,
                   positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotation angles' cos and sin for each token: (s, d/2) for positions 0..s-1, or
-    (b, 1, s, d/2) for explicit per-token positions (b, s), broadcasting over the heads."""
+    """The rotation angles' cos and sin for each token: (s, d/2) for positions 0..s-1 or for one
+    set of positions (s,) shared by the batch (a context-parallel rank's), or (b, 1, s, d/2) for
+    per-token positions (b, s), broadcasting over the heads."""
     if positions is None:
         return cos[:seq_len], sin[:seq_len]
+    if positions.dim() == 1:
+        return cos[positions], sin[positions]
     return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)

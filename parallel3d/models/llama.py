@@ -59,19 +59,35 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # Context parallelism (parallel/context.py) swaps in attention across the cp ranks, which
+        # also knows the global positions of this rank's part of the sequence.
+        self.attend = LocalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """positions (b, s): each token's RoPE position (None: 0..s-1); doc_ids (b, s): its document
-        (None: one document). Both in q's sequence layout."""
+        """positions (b, s): each token's RoPE position (None: 0..s-1, or under context parallelism
+        the global positions of this rank's tokens); doc_ids (b, s): its document (None: one
+        document). Both in q's sequence layout."""
         # Head counts come from the tensors, not the config: under tensor parallelism a rank
         # holds only its share of the heads.
         q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
-        # The whole sequence is here (sequence parallelism gathers it before attention).
+        # The whole sequence is here (sequence parallelism gathers it before attention), or this
+        # context-parallel rank's part of it.
+        if positions is None:
+            positions = self.attend.positions(q.shape[2], q.device)
         cos, sin = rotary_tables(cos, sin, q.shape[2], positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = sdpa(q, k, v, doc_ids, doc_ids)
-        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+        return self.wo(rearrange(self.attend(q, k, v, doc_ids), "b h s d -> b s (h d)"))
+
+
+class LocalAttention:
+    """Attention over the sequence this process holds: causal, within documents when given."""
+
+    def positions(self, seq_len: int, device) -> None:
+        return None  # 0 .. seq_len - 1
+
+    def __call__(self, q, k, v, doc_ids=None):
+        return sdpa(q, k, v, doc_ids, doc_ids)
 
 
 class FeedForward(nn.Module):

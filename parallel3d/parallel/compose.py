@@ -1,7 +1,7 @@
 """parallelize(): the one function that states how the parallelisms compose on a model.
 
 Order, applied to the model while it is still on the meta device:
-    tensor parallel -> activation checkpointing -> torch.compile -> data parallel
+    tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> data parallel
 Data parallelism goes last because FSDP must see the final (tensor-parallel, checkpointed,
 compiled) blocks it shards: FSDP on top of tensor parallelism shards the tp-local DTensors
 over the data-parallel mesh dims, giving 2D (or, with HSDP, 3D) parameters.
@@ -16,6 +16,7 @@ from torch import nn
 from parallel3d.base import DTYPES
 from parallel3d.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
+from parallel3d.parallel.context import apply_context_parallel
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.tensor import apply_tensor_parallel
 
@@ -34,6 +35,7 @@ class ParallelPlan:
 
     data: DataParallelPlan
     sequence_parallel: bool = True
+    cp_method: str = "alltoall"  # parallel.cp_method: how attention crosses the cp ranks
     activation: ActivationPlan = ActivationPlan()
     compile: bool = False  # torch.compile each transformer block
 
@@ -42,7 +44,7 @@ class ParallelPlan:
         """From a validated config (the key names users know: model.activation_checkpoint ...)."""
         m = c.model
         return cls(data=data_parallel_plan(c.parallel, c.train), sequence_parallel=c.parallel.sequence_parallel,
-                   activation=ActivationPlan(m.activation_checkpoint, m.activation_checkpoint_every),
+                   cp_method=c.parallel.cp_method, activation=ActivationPlan(m.activation_checkpoint, m.activation_checkpoint_every),
                    compile=m.compile)
 
 
@@ -64,8 +66,10 @@ def parallelize(model: nn.Module, meshes: Meshes, plan: ParallelPlan) -> None:
     in place, in the order above."""
     if meshes.tp is not None:
         apply_tensor_parallel(model, meshes.tp, plan.sequence_parallel)
+    if meshes.cp is not None:
+        apply_context_parallel(model, meshes.cp, plan.cp_method)
     apply_activation_checkpointing(model, plan.activation.mode, plan.activation.every)
     if plan.compile:
         compile_blocks(model)
-    if meshes.dp is not None:
-        apply_data_parallel(model, meshes.dp, meshes.fsdp, plan.data)
+    if meshes.dp_cp is not None:  # cp ranks hold the same parameters as data-parallel ranks do
+        apply_data_parallel(model, meshes.dp_cp, meshes.fsdp, plan.data)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -111,23 +113,24 @@ class Pipeline:
     def has_first_stage(self) -> bool:
         return any(stage.is_first for stage in self.stages)
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                         model_inputs=lambda inputs: {}) -> list[torch.Tensor]:
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         prepare: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
+                         ) -> list[torch.Tensor]:
         """Forward and backward of one optimizer step's micro batches through all stages, in
         schedule steps of ``self.microbatches`` each (fewer than all: gradient accumulation).
         Returns the detached micro-batch losses this rank computed (the last stage's rank only).
-        ``model_inputs(input ids)``: keyword inputs every stage gets (document ids, positions); the
-        schedule splits them into micro batches and hands them to each stage beside its activations."""
+        ``prepare(inputs, targets)`` -> (inputs, targets, keyword inputs) as this rank runs them (on
+        its device, its context-parallel share); the schedule splits the keyword inputs (document
+        ids, positions) into micro batches and hands them to every stage beside its activations."""
         losses: list[torch.Tensor] = []
         for k in range(0, len(micro_batches), self.microbatches):
             chunk_losses: list[torch.Tensor] = []  # step() clears and refills it
             chunk = micro_batches[k : k + self.microbatches]
-            inputs = torch.cat([x for x, _ in chunk]).to(device, non_blocking=True)
-            targets = torch.cat([y for _, y in chunk]).to(device, non_blocking=True)
+            inputs, targets, extra = prepare(torch.cat([x for x, _ in chunk]), torch.cat([y for _, y in chunk]))
             # return_outputs=False: else the last stage keeps every microbatch's logits for step() to
             # return (4 GiB on the 405B recipe), which nothing here reads.
             self.schedule.step(*([inputs] if self.has_first_stage else []), target=targets, losses=chunk_losses,
-                               return_outputs=False, **model_inputs(inputs))
+                               return_outputs=False, **extra)
             losses += [loss.detach() for loss in chunk_losses]
         return losses
 

@@ -58,7 +58,7 @@ class Geometry:
 
     @classmethod
     def of(cls, layout: Layout) -> "Geometry":
-        tokens = layout.micro_batch_size * layout.seq_len
+        tokens = layout.micro_batch_size * layout.seq_len // layout.cp  # a cp rank's part of each sequence
         split = layout.tp > 1 and layout.sequence_parallel
         mask = layout.compute_bytes * tokens * layout.seq_len if layout.document_masking else 0
         return cls(tokens, tokens // layout.tp if split else tokens, layout.compute_bytes, layout.residual_bytes,
@@ -130,3 +130,13 @@ def receive_buffer_bytes(model: ModelShape, stages: list[Stage], layout: Layout,
     m = layout.schedule_microbatches
     return sum(((m - in_flight.get(s.index, 0)) if not s.first else 0) * hidden + (m * hidden if not s.last else 0)
                for s in stages)
+
+
+def ring_scores_bytes(model: ModelShape, layout: Layout) -> int:
+    """Our ring attention (``parallel/context.py``) computes each sub-block in plain ops, not a fused
+    kernel: scores and probabilities of one (s/2cp)² sub-block per local head exist at once, and in
+    backward two more (their gradients). Zero for the other methods: SDPA keeps a logsumexp only."""
+    if layout.cp == 1 or layout.cp_method != "ring":
+        return 0
+    half = layout.seq_len // layout.cp // 2
+    return 4 * layout.micro_batch_size * model.n_heads // layout.tp * half * half * layout.compute_bytes

@@ -48,7 +48,7 @@ from parallel3d.planner.activations import Geometry, checkpointed
 from parallel3d.planner.layout import MASTER_BYTES, Layout, ModelShape, Stage, embedding_param
 from parallel3d.planner.memory import param_state, tp_local_shape
 
-GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp")
+GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp", "cp", "dp_cp", "dp_shard_cp")
 
 
 def ring(kind: str, total_bytes: float, n: int) -> float:
@@ -80,12 +80,12 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
     # ZeRO-1 once, the pipeline schedule once per schedule step.
     reductions = syncs if piped else mb if layout.zero_stage >= 2 else 1
     n = layout.shards
-    group = "dp" if layout.zero_stage <= 1 else "dp_shard"
+    group, replicas = data_parallel_group(layout), layout.dp * layout.cp  # cp ranks hold the same parameters
     for stage in stages:
-        if layout.dp > 1 and n == 1:  # DDP
+        if replicas > 1 and n == 1:  # DDP
             numel = padded_numel(model, stage, layout, 1)
-            out["dp"]["all_reduce"] += reductions * ring("all_reduce", numel * reduce, layout.dp)
-        elif layout.dp > 1:
+            out[group]["all_reduce"] += reductions * ring("all_reduce", numel * reduce, replicas)
+        elif replicas > 1:
             numel = padded_numel(model, stage, layout, n)
             gathered = reductions * numel  # once per reduction
             if layout.zero_stage == 3 and not piped:  # blocks again in backward
@@ -96,10 +96,42 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
                 out["dp_replicate"]["all_reduce"] += reductions * ring("all_reduce", numel * reduce / n,
                                                                        layout.dp_replicate)
         if layout.tp > 1:  # without data parallelism, train.settle_gradients reduces once
-            _tensor_parallel(out["tp"], model, stage, layout, reductions if layout.dp > 1 else 1)
+            _tensor_parallel(out["tp"], model, stage, layout, reductions if replicas > 1 else 1)
+        if layout.cp > 1:
+            _context_parallel(out["cp"], model, stage, layout)
     if piped:
         _pipeline(out["pp"], model, stages, layout)
     return {group: dict(kinds) for group, kinds in out.items() if any(kinds.values())}
+
+
+def data_parallel_group(layout: Layout) -> str:
+    """The mesh dim (``mesh.py``) gradients are reduced over: DDP and ZeRO-1 over all data-parallel
+    ranks, ZeRO-2/3 over dp_shard; with cp, those times cp (flattened), or cp alone."""
+    if layout.cp == 1:
+        return "dp" if layout.zero_stage <= 1 else "dp_shard"
+    if layout.zero_stage <= 1:
+        return "dp_cp" if layout.dp > 1 else "cp"
+    return "dp_shard_cp" if layout.dp_shard > 1 else "cp"
+
+
+def _context_parallel(out: dict[str, float], model: ModelShape, stage: Stage, layout: Layout) -> None:
+    """Per block and micro batch (``parallel/context.py``), q of T·H/t·hd and k, v of T·kv/t·hd
+    elements each, T this rank's tokens. alltoall: q, k, v and the output are exchanged once each
+    in forward and their gradients in backward, k and v with their heads replicated up to
+    lcm(kv/t, cp); ring: k and v go n - 1 hops in forward, again in backward together with their
+    gradients. A block recomputed under activation checkpointing repeats its forward's part."""
+    g, n, hd = Geometry.of(layout), layout.cp, model.head_dim
+    q_bytes = g.tokens * model.n_heads // g.t * hd * g.c
+    kv_heads = model.n_kv_heads // g.t
+    forwards = sum(1 + (checkpointed(layer, layout) != "none") for layer in stage.blocks)
+    if layout.cp_method == "alltoall":
+        kv_bytes = g.tokens * math.lcm(kv_heads, n) * hd * g.c
+        per_pass = ring("all_to_all", 2 * q_bytes + 2 * kv_bytes, n)
+        out["all_to_all"] += layout.micro_batches * (forwards + len(stage.blocks)) * per_pass
+    else:
+        kv_bytes = g.tokens * kv_heads * hd * g.c
+        hops = (n - 1) * 2 * kv_bytes
+        out["send_recv"] += layout.micro_batches * (forwards + 2 * len(stage.blocks)) * hops
 
 
 def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, layout: Layout,

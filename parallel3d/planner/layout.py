@@ -55,6 +55,7 @@ class Layout(ParallelDims):
     degrees (``dp``, ``world_size`` from ParallelDims) and what else decides memory and time."""
 
     zero_stage: int
+    cp_method: str = "alltoall"
     sequence_parallel: bool = True
     pp_schedule: str = "1F1B"
     stages_per_rank: int = 1  # v: pipeline stages each pp rank runs (looped / V schedules)
@@ -77,7 +78,8 @@ class Layout(ParallelDims):
         """From a config that ``validate.check`` has resolved (dp_shard >= 1, zero_stage set)."""
         p, t, m = cfg.parallel, cfg.train, cfg.model
         return cls(
-            dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
+            dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, cp_method=p.cp_method,
+            zero_stage=p.zero_stage,
             sequence_parallel=bool(p.sequence_parallel), pp_schedule=p.pp_schedule,
             stages_per_rank=stages_per_rank(p.pp_schedule, p.pp_stages_per_rank) if p.pp > 1 else 1,
             layers_per_stage=tuple(p.pp_layers_per_stage) if p.pp_layers_per_stage else None,
@@ -111,8 +113,9 @@ class Layout(ParallelDims):
     @property
     def shards(self) -> int:
         """Ranks the model state is sharded over: all data-parallel ranks for ZeRO-1, dp_shard for
-        ZeRO-2/3 (HSDP replicates the shards), none for DDP (see ``parallel/data.py``)."""
-        return {0: 1, 1: self.dp}.get(self.zero_stage, self.dp_shard)
+        ZeRO-2/3 (HSDP replicates the shards), none for DDP (see ``parallel/data.py``); times cp,
+        whose ranks hold the same parameters (``mesh.py``)."""
+        return {0: 1, 1: self.dp * self.cp}.get(self.zero_stage, self.dp_shard * self.cp)
 
     @property
     def compute_bytes(self) -> int:
@@ -125,7 +128,7 @@ class Layout(ParallelDims):
     @property
     def autocast(self) -> bool:
         """Compute under autocast, float32 residual stream (``parallel.data.uses_autocast``)."""
-        return uses_autocast(self.dp, self.param_dtype)
+        return uses_autocast(self.dp * self.cp, self.param_dtype)
 
     @property
     def residual_bytes(self) -> int:
@@ -138,7 +141,8 @@ class Layout(ParallelDims):
         pp = f"pp{self.pp}"
         if self.pp > 1:
             pp += f"/{self.pp_schedule}" + (f"x{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
-        return f"{dp} tp{self.tp} {pp} z{self.zero_stage} mb{self.micro_batch_size} ac={self.activation_checkpoint}"
+        cp = f" cp{self.cp}/{self.cp_method}" if self.cp > 1 else ""
+        return f"{dp}{cp} tp{self.tp} {pp} z{self.zero_stage} mb{self.micro_batch_size} ac={self.activation_checkpoint}"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,7 +8,7 @@ from typing import Optional
 from parallel3d.models import flops_per_token
 from parallel3d.validate import check
 from parallel3d.planner.activations import (Geometry, block_bytes, checkpointed, receive_buffer_bytes,
-                                             stage_activation_bytes)
+                                             ring_scores_bytes, stage_activation_bytes)
 from parallel3d.planner.comm import stage_traffic
 from parallel3d.planner.layout import Layout, ModelShape, rank_stages
 from parallel3d.planner.memory import ModelState, stage_model_state, transient_bytes, unsharded_gradient_bytes
@@ -36,10 +36,10 @@ class Hardware:
 
 def group_spans(layout: Layout) -> dict[str, int]:
     """Consecutive ranks each group's members spread over; the mesh is (pp, dp_replicate,
-    dp_shard, tp), tp innermost, so tp groups are neighbours and pp groups span the world."""
-    t = layout.tp
-    return {"tp": t, "dp_shard": t * layout.dp_shard, "dp": t * layout.dp, "dp_replicate": t * layout.dp,
-            "pp": layout.world_size}
+    dp_shard, cp, tp), tp innermost, so tp groups are neighbours and pp groups span the world."""
+    t, tc = layout.tp, layout.tp * layout.cp
+    return {"tp": t, "cp": tc, "dp_shard": tc * layout.dp_shard, "dp_shard_cp": tc * layout.dp_shard,
+            "dp": tc * layout.dp, "dp_cp": tc * layout.dp, "dp_replicate": tc * layout.dp, "pp": layout.world_size}
 
 
 @dataclass
@@ -111,9 +111,9 @@ class Plan:
         return self.step_time.total_s if self.step_time else None
 
     def rank_model_state(self, rank: int) -> ModelState:
-        """Exact model state of global ``rank`` (mesh order pp, dp_replicate, dp_shard, tp)."""
+        """Exact model state of global ``rank`` (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
         lay = self.layout
-        pp_rank, dp_rank = rank // (lay.dp * lay.tp), rank // lay.tp % lay.dp
+        pp_rank, dp_rank = rank // (lay.dp * lay.cp * lay.tp), rank // lay.tp % (lay.dp * lay.cp)
         stages = rank_stages(lay, self.model.n_layers, pp_rank)
         return sum((stage_model_state(self.model, s, lay, dp_rank) for s in stages), ModelState())
 
@@ -186,7 +186,7 @@ def _backward_block_bytes(model: ModelShape, layout: Layout) -> int:
     g = Geometry.of(layout)
     modes = {checkpointed(layer, layout) for layer in range(model.n_layers)}
     stored = min(block_bytes(model, g, mode) for mode in modes)
-    return 2 * block_bytes(model, g, "none") - stored
+    return 2 * block_bytes(model, g, "none") - stored + ring_scores_bytes(model, layout)
 
 
 def _total(traffic: dict[str, dict[str, float]]) -> float:
@@ -214,9 +214,9 @@ def step_time(model: ModelShape, layout: Layout, plan: Plan, hw: Hardware) -> St
     overlapped, end_of_step, exposed = 0.0, 0.0, 0.0
     for group, kinds in times.items():
         for kind, seconds in kinds.items():
-            if group in ("tp", "pp") or (group == "dp" and kind == "all_gather"):
-                exposed += seconds
-            elif group in ("dp_shard", "dp_replicate") and (layout.pp == 1 or kind == "all_gather"):
+            if group in ("tp", "pp", "cp") or (group in ("dp", "dp_cp") and kind == "all_gather"):
+                exposed += seconds  # cp: attention waits for its all-to-alls / each ring hop
+            elif group in ("dp_shard", "dp_shard_cp", "dp_replicate") and (layout.pp == 1 or kind == "all_gather"):
                 overlapped += seconds
             else:
                 end_of_step += seconds

@@ -42,8 +42,8 @@ class Candidate:
 
     def simplicity(self) -> tuple:
         lay = self.layout
-        return (lay.pp > 1, lay.tp > 1, lay.dp_replicate > 1, lay.zero_stage,
-                AC_ORDER.index(lay.activation_checkpoint), lay.pp, lay.tp, self.plan.peak_bytes)
+        return (lay.pp > 1, lay.tp > 1, lay.cp > 1, lay.dp_replicate > 1, lay.zero_stage,
+                AC_ORDER.index(lay.activation_checkpoint), lay.pp, lay.tp, lay.cp, self.plan.peak_bytes)
 
 
 def overrides_of(layout: Layout) -> list[str]:
@@ -53,6 +53,8 @@ def overrides_of(layout: Layout) -> list[str]:
            f"model.activation_checkpoint={layout.activation_checkpoint}"]
     if layout.pp > 1:
         out.append(f"parallel.pp_schedule={layout.pp_schedule}")
+    if layout.cp > 1:
+        out += [f"parallel.cp={layout.cp}", f"parallel.cp_method={layout.cp_method}"]
     return out
 
 
@@ -64,20 +66,24 @@ def rank_layouts(model_cfg, world_size: int, *, gpu_memory_bytes: int = 80 * GiB
                  schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B"),
                  ac_modes: tuple[str, ...] = ("none", "op", "full"), base_cfg=None,
                  allow_cross_node_tp: bool = False, tolerance: float = 0.03,
-                 include_unfit: bool = False) -> list[Candidate]:
+                 include_unfit: bool = False, cp_degrees: tuple[int, ...] = (1,),
+                 cp_methods: tuple[str, ...] = ("alltoall", "ring")) -> list[Candidate]:
     """Every valid layout of ``model_cfg`` (a ModelConfig, or a composed config's ``model``) on
     ``world_size`` GPUs, fastest first; the recommended one has ``recommended=True``.
 
     Each layout gets the cheapest checkpointing mode of ``ac_modes`` that fits; layouts that fit
     with none are dropped (kept at the end, with ``include_unfit``). ``base_cfg``: a composed
     config whose other settings (optimizer, fsdp_prefetch, ...) the candidates share.
+    ``cp_degrees``/``cp_methods``: context-parallel degrees and methods to try (long sequences).
     """
     hw = Hardware(gpu_memory_bytes, gpus_per_node, intra_node_bw, inter_node_bw, peak_flops, efficiency)
     base = _base_config(base_cfg, model_cfg, seq_len, global_batch_size, param_dtype, reduce_dtype)
     model = ModelShape.from_config(base.model)
     fitting, unfit = [], []
-    for layout in _layouts(base, model, world_size, hw, micro_batch_sizes, zero_stages, schedules,
-                           allow_cross_node_tp):
+    for layout in (lay for cp in cp_degrees if world_size % cp == 0
+                   for method in (cp_methods if cp > 1 else ("alltoall",))
+                   for lay in _layouts(_with_cp(base, cp, method), model, world_size // cp, hw, micro_batch_sizes,
+                                       zero_stages, schedules, allow_cross_node_tp, cp)):
         tried = []
         for mode in sorted(ac_modes, key=AC_ORDER.index):
             plan = evaluate(model, replace(layout, activation_checkpoint=mode), hw)
@@ -115,18 +121,24 @@ def _base_config(base_cfg, model_cfg, seq_len, global_batch_size, param_dtype, r
     return cfg
 
 
+def _with_cp(base, cp: int, method: str):
+    cfg = copy.deepcopy(base)
+    cfg.parallel.cp, cfg.parallel.cp_method = cp, method
+    return cfg
+
+
 def _layouts(base, model: ModelShape, world: int, hw: Hardware, micro_batch_sizes, zero_stages, schedules,
-             allow_cross_node_tp: bool):
-    """Layouts validation accepts (checkpointing left to the caller)."""
-    node = hw.gpus_per_node
+             allow_cross_node_tp: bool, cp: int = 1):
+    """Layouts validation accepts (checkpointing left to the caller); ``world``: ranks per cp rank."""
+    node = max(hw.gpus_per_node // cp, 1)  # tp inside a node, with its cp ranks where they fit
     for tp in divisors(world):
         if tp > node and not allow_cross_node_tp or (tp <= node and node % tp):
             continue
         for pp in divisors(world // tp):
             dp = world // tp // pp
             for zero in zero_stages:
-                if dp == 1 and zero != 0:
-                    continue  # without data parallelism every stage is the same
+                if dp * cp == 1 and zero != 0:
+                    continue  # without data parallelism (or cp, sharded alike) every stage is the same
                 # HSDP: shard within a node, replicate across nodes
                 replicas = [1] + ([dp // s for s in divisors(dp) if 1 < s < dp and tp * s <= node]
                                   if zero >= 2 else [])
@@ -135,7 +147,7 @@ def _layouts(base, model: ModelShape, world: int, hw: Hardware, micro_batch_size
                         for mbs in micro_batch_sizes:
                             cfg = _candidate_config(base, dp_replicate, dp // dp_replicate, tp, pp, zero, schedule, mbs)
                             try:
-                                cfg = check(cfg, world, device="cuda")
+                                cfg = check(cfg, world * cp, device="cuda")
                             except ConfigError:
                                 continue
                             yield Layout.from_config(cfg, "cuda")
