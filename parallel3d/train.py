@@ -36,6 +36,7 @@ from parallel3d.models import Transformer, flops_per_token, num_params
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
 from parallel3d.parallel import parallelize
 from parallel3d.parallel.data import set_gradient_sync, uses_autocast
+from parallel3d.parallel.expert import moe_statistics, set_sequences_per_step, sync_expert_gradients
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts, build_schedule, num_stages
 from parallel3d.progress import Progress
 from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
@@ -106,7 +107,7 @@ def train(cfg: DictConfig) -> Path:
     t = c.train
 
     dims = ParallelDims.from_config(c.parallel)
-    meshes = build_mesh(dims, device.type)
+    meshes = build_mesh(dims, device.type, c.parallel.ep)
     spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
     tokens_per_rank = spec.local_batch_size * t.seq_len  # loss is a mean over the global batch's tokens
     global_tokens = t.global_batch_size * t.seq_len
@@ -122,6 +123,7 @@ def train(cfg: DictConfig) -> Path:
     optimizer = build_optimizer(model, c.optim)
     scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
     parts = [model] if pipeline is None else pipeline.parts
+    set_sequences_per_step(parts, spec.local_batch_size)  # MoE aux loss: a mean over the step's sequences
     progress = Progress(enabled=is_rank0)  # bars on a terminal, plain lines otherwise
     checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=t.dist_timeout_s), progress=progress)
     state = TrainState(parts, optimizer, scheduler)
@@ -161,6 +163,7 @@ def train(cfg: DictConfig) -> Path:
         lr = scheduler.get_last_lr()[0]
         loss_sum, grad_norm = train_step(c, meshes, device, model, pipeline, tied, optimizer, scheduler,
                                          sampler.micro_batches(step), token_loss)
+        moe_stats = moe_statistics(parts, c.model, world_size, dims.dp, device)  # {} for a dense model
         if not state_bytes:  # the first step (of this process): the optimizer state now exists
             state_bytes = model_state_bytes(model, optimizer)
         model.zero_grad(set_to_none=True)
@@ -190,7 +193,7 @@ def train(cfg: DictConfig) -> Path:
                 "step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
                 "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
                 "mfu": tokens_per_sec * flops / (peak * world_size) if peak else None,
-                "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])),
+                "max_memory_bytes": memory[0], **dict(zip(state_bytes, memory[1:])), **moe_stats,
             })
         every = c.checkpoint.every
         if every and (step % every == 0 or step == t.steps):
@@ -283,6 +286,7 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
                                        losses=losses, return_outputs=False)
             for loss in losses:
                 loss_sum += _local(loss.detach())
+    sync_expert_gradients(model, meshes.expert_dp)  # expert parallelism: data parallelism ignores experts
     params = [p for p in model.parameters() if p.requires_grad]
     settle_gradients(params)
     if tied is not None:

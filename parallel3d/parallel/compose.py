@@ -14,6 +14,7 @@ from torch import nn
 from parallel3d.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
+from parallel3d.parallel.expert import apply_expert_parallel
 from parallel3d.parallel.tensor import apply_tensor_parallel
 from parallel3d.validate import DTYPES
 
@@ -36,8 +37,9 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel, train) -> None:
     place, in the order above. Activation checkpointing and compile read the model's own config."""
     if meshes.tp is not None:
         apply_tensor_parallel(model, meshes.tp, parallel.sequence_parallel)
+    experts = apply_expert_parallel(model, meshes.ep) if meshes.ep is not None else set()
     apply_activation_checkpointing(model, model.cfg.activation_checkpoint, model.cfg.activation_checkpoint_every)
     if model.cfg.compile:
         compile_blocks(model)
     if meshes.dp is not None:
-        apply_data_parallel(model, meshes.dp, meshes.fsdp, data_parallel_plan(parallel, train))
+        apply_data_parallel(model, meshes.dp, meshes.fsdp, data_parallel_plan(parallel, train), ignored=experts)
