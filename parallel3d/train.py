@@ -163,7 +163,8 @@ def train(cfg: DictConfig) -> Path:
         lr = scheduler.get_last_lr()[0]
         loss_sum, grad_norm = train_step(c, meshes, device, model, pipeline, tied, optimizer, scheduler,
                                          sampler.micro_batches(step), token_loss)
-        moe_stats = moe_statistics(parts, c.model, world_size, dims.dp, device)  # {} for a dense model
+        # aux_loss and expert load ({} for a dense model); moves the sigmoid router's bias
+        moe_stats = moe_statistics(parts, c.model, spec.num_micro_batches, world_size, dims.dp, device)
         if not state_bytes:  # the first step (of this process): the optimizer state now exists
             state_bytes = model_state_bytes(model, optimizer)
         model.zero_grad(set_to_none=True)

@@ -152,10 +152,24 @@ class MoE(nn.Module):
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        """Statistics since the last step (host tensors: on the meta device the model is built on
-        they would hold nothing)."""
-        self.tokens_per_expert = torch.zeros(self.moe.num_experts, dtype=torch.float64, device="cpu")
-        self.aux_loss_sum = torch.zeros((), dtype=torch.float64, device="cpu")
+        """(tokens per expert, aux loss) of each training forward since the last step, on the host."""
+        self.forward_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def step_stats(self, forwards: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens per expert and aux loss summed over the step's last ``forwards`` forwards (the
+        step's micro batches): in its first step torch's pipeline stage runs one more forward
+        first, on empty tensors, to infer shapes."""
+        kept = self.forward_stats[-forwards:]
+        tokens = sum((t for t, _ in kept), torch.zeros(self.moe.num_experts, dtype=torch.float64))
+        return tokens, sum((a for _, a in kept), torch.zeros((), dtype=torch.float64))
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.step_stats(len(self.forward_stats))[0]
+
+    @property
+    def aux_loss_sum(self) -> torch.Tensor:
+        return self.step_stats(len(self.forward_stats))[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
@@ -171,10 +185,11 @@ class MoE(nn.Module):
             out = out + self.shared(flat)
         out = out.view(batch, seq, dim)
         aux = self.balance_loss(chosen, scores, batch, seq) if self.moe.aux_loss_coef > 0 else None
-        if not _recomputing():  # activation checkpointing replays forward in backward: count once
-            self.tokens_per_expert += counts.detach().to("cpu", torch.float64)
-            if aux is not None:
-                self.aux_loss_sum += aux.detach().to("cpu", torch.float64)
+        # Count training forwards once: not evaluation or the pipeline's shape inference (no grad),
+        # not activation checkpointing's replay of forward in backward.
+        if torch.is_grad_enabled() and not _recomputing():
+            aux_value = aux.detach().to("cpu", torch.float64) if aux is not None else torch.zeros((), dtype=torch.float64)
+            self.forward_stats.append((counts.detach().to("cpu", torch.float64), aux_value))
         if aux is not None and torch.is_grad_enabled():
             out = AuxLossGradient.apply(out, aux)
         return out

@@ -106,12 +106,13 @@ def set_sequences_per_step(parts: list[nn.Module], sequences: int) -> None:
                 module.sequences_per_step = sequences
 
 
-def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, world_group_size: int, dp: int,
+def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, micro_batches: int, world_group_size: int, dp: int,
                    device: torch.device) -> dict:
     """The step's ``aux_loss`` (as added to the loss: mean over the global batch, summed over MoE
     blocks), tokens per expert summed over blocks and ranks (``expert_load``) and the worst block's
     ``expert_load_max_over_mean``; resets the blocks' counters and, for the sigmoid router, moves
-    its balancing bias. Every rank must call it (one all-reduce over the world)."""
+    its balancing bias. ``micro_batches``: the forwards each block ran this step. Every rank must
+    call it (one all-reduce over the world)."""
     names = [str(i) for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
     if not names:
         return {}
@@ -119,8 +120,9 @@ def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, world_group_size: i
     stats = torch.zeros(1 + len(names) * cfg.moe.num_experts, dtype=torch.float64)
     for i, name in enumerate(names):
         if name in local:
-            stats[0] += local[name].aux_loss_sum
-            stats[1 + i * cfg.moe.num_experts : 1 + (i + 1) * cfg.moe.num_experts] = local[name].tokens_per_expert
+            tokens, aux = local[name].step_stats(micro_batches)
+            stats[0] += aux
+            stats[1 + i * cfg.moe.num_experts : 1 + (i + 1) * cfg.moe.num_experts] = tokens
             local[name].reset_stats()
     if world_group_size > 1:  # pipeline stages hold different blocks, data ranks different tokens
         stats = stats.to(device)

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from parallel3d.config import MoEConfig
 from parallel3d.mesh import ParallelDims
 from parallel3d.parallel.data import uses_autocast
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
@@ -33,14 +34,34 @@ class ModelShape:
     ffn_dim: int
     vocab_size: int
     tie_embeddings: bool
+    attention_head_dim: int = 0  # 0: dim // n_heads
+    qk_norm: bool = False
+    num_experts: int = 0  # model.moe.*: 0 for a dense model
+    top_k: int = 0
+    expert_ffn_dim: int = 0
+    shared_experts: int = 0
+    moe_every: int = 1
 
     @classmethod
     def from_config(cls, m) -> "ModelShape":
-        return cls(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings))
+        moe = m.moe
+        return cls(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings),
+                   m.head_dim, bool(m.qk_norm), moe.num_experts, moe.top_k, moe.expert_ffn_dim or m.ffn_dim,
+                   moe.shared_experts, moe.every)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
+
+    @property
+    def moe(self) -> MoEConfig:
+        """As ``ModelConfig.moe``, for code that takes either (``models.flops_per_token``)."""
+        return MoEConfig(num_experts=self.num_experts, top_k=self.top_k, expert_ffn_dim=self.expert_ffn_dim,
+                         shared_experts=self.shared_experts, every=self.moe_every)
+
+    def is_moe(self, layer: int) -> bool:
+        """As ``models.moe.is_moe_layer``."""
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
 
     @property
     def kv_dim(self) -> int:
@@ -67,6 +88,7 @@ class Layout(ParallelDims):
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     device: str = "cuda"  # whose kernels the activation model counts (cpu: composite RMSNorm, ...)
+    ep: int = 1  # expert parallelism: experts split over ep dp_shard ranks, replicated over the rest
 
     @classmethod
     def from_config(cls, cfg, device: str | None = None) -> "Layout":
@@ -83,7 +105,7 @@ class Layout(ParallelDims):
             pp_microbatches=p.pp_microbatches, activation_checkpoint=m.activation_checkpoint,
             activation_checkpoint_every=m.activation_checkpoint_every, fsdp_prefetch=p.fsdp_prefetch,
             param_dtype=t.param_dtype,
-            reduce_dtype=t.reduce_dtype, device=resolve_device(t.device, device or "cuda"),
+            reduce_dtype=t.reduce_dtype, device=resolve_device(t.device, device or "cuda"), ep=p.ep,
         )
 
     @property
@@ -148,6 +170,7 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     tp_dim: Optional[int]
+    expert: bool = False  # stacked experts (dim 0): split over ep, left alone by FSDP when ep > 1
 
     @property
     def numel(self) -> int:
@@ -160,17 +183,32 @@ def block_params(model: ModelShape, layer: int) -> list[ParamSpec]:
     wo w2 their input features (dim 1); the norms are replicated."""
     D, F, q, kv = model.dim, model.ffn_dim, model.n_heads * model.head_dim, model.kv_dim
     p = f"layers.{layer}."
+    qk_norm = [ParamSpec(p + f"attention.{n}.weight", (model.head_dim,), None) for n in ("q_norm", "k_norm")]
     return [
         ParamSpec(p + "attention_norm.weight", (D,), None),
         ParamSpec(p + "attention.wq.weight", (q, D), 0),
         ParamSpec(p + "attention.wk.weight", (kv, D), 0),
         ParamSpec(p + "attention.wv.weight", (kv, D), 0),
         ParamSpec(p + "attention.wo.weight", (D, q), 1),
+        *(qk_norm if model.qk_norm else []),
         ParamSpec(p + "ffn_norm.weight", (D,), None),
-        ParamSpec(p + "feed_forward.w1.weight", (F, D), 0),
-        ParamSpec(p + "feed_forward.w2.weight", (D, F), 1),
-        ParamSpec(p + "feed_forward.w3.weight", (F, D), 0),
+        *(moe_params(model, p + "feed_forward.") if model.is_moe(layer) else swiglu_params(p + "feed_forward.", D, F)),
     ]
+
+
+def swiglu_params(prefix: str, D: int, F: int) -> list[ParamSpec]:
+    return [ParamSpec(prefix + "w1.weight", (F, D), 0), ParamSpec(prefix + "w2.weight", (D, F), 1),
+            ParamSpec(prefix + "w3.weight", (F, D), 0)]
+
+
+def moe_params(model: ModelShape, prefix: str) -> list[ParamSpec]:
+    """A MoE feed-forward (``models.moe.MoE``): router, stacked experts, shared experts."""
+    D, H, E = model.dim, model.expert_ffn_dim, model.num_experts
+    experts = [ParamSpec(prefix + "experts.w1", (E, H, D), None, expert=True),
+               ParamSpec(prefix + "experts.w2", (E, D, H), None, expert=True),
+               ParamSpec(prefix + "experts.w3", (E, H, D), None, expert=True)]
+    shared = swiglu_params(prefix + "shared.", D, model.shared_experts * H) if model.shared_experts else []
+    return [ParamSpec(prefix + "router.gate.weight", (E, D), None), *experts, *shared]
 
 
 def embedding_param(model: ModelShape) -> ParamSpec:
@@ -211,8 +249,10 @@ class Stage:
         """The same, as (parameter, how many): blocks are alike, so a 126-layer stage costs as
         little to plan as one block (names are those of the first block)."""
         out = [(embedding_param(model), 1)] if self.first else []
-        if self.blocks:
-            out += [(spec, len(self.blocks)) for spec in block_params(model, self.blocks[0])]
+        for kind in (False, True):  # dense blocks, then MoE blocks
+            alike = [layer for layer in self.blocks if model.is_moe(layer) == kind]
+            if alike:
+                out += [(spec, len(alike)) for spec in block_params(model, alike[0])]
         if self.last:
             out += [(spec, 1) for spec in head_params(model, holds_embedding=self.first)]
         return out

@@ -39,7 +39,7 @@ def group_spans(layout: Layout) -> dict[str, int]:
     dp_shard, tp), tp innermost, so tp groups are neighbours and pp groups span the world."""
     t = layout.tp
     return {"tp": t, "dp_shard": t * layout.dp_shard, "dp": t * layout.dp, "dp_replicate": t * layout.dp,
-            "pp": layout.world_size}
+            "pp": layout.world_size, "ep": t * layout.ep, "expert_dp": t * layout.dp}
 
 
 @dataclass
