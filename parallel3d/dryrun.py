@@ -214,7 +214,7 @@ def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankRe
     try:
         dims = ParallelDims.from_config(c.parallel)
         device = torch.device("cpu")
-        meshes = build_mesh(dims, device.type)
+        meshes = build_mesh(dims, device.type, c.parallel.ep)
         t = c.train
         spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
         tokens_per_rank = spec.local_batch_size * t.seq_len
@@ -274,6 +274,9 @@ def _dim_of_group(meshes: Meshes, tied) -> dict[str, str]:
             names[meshes.world.get_group(dim).group_name] = dim
     if meshes.dp is not None and meshes.dp.mesh_dim_names == ("dp",):  # dp_replicate x dp_shard, flattened
         names[meshes.dp.get_group().group_name] = "dp"
+    for name in ("ep", "expert_dp"):  # expert parallelism's views of the dp ranks
+        if getattr(meshes, name) is not None:
+            names[getattr(meshes, name).get_group().group_name] = name
     if tied is not None and tied.group is not None:  # first and last pp stage of one (dp, tp) coordinate
         names[tied.group.group_name] = "pp_ends"
     return names

@@ -104,3 +104,19 @@ def test_planner_counts_expert_traffic():
     wider = compose([*FAST, *MOE, "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=2"])
     check(wider, 4)  # dp4: the experts' gradients averaged over 2 ranks once per step (float32)
     assert predict(wider, 4).comm_bytes["expert_dp"] == {"all_reduce": 2 * (experts // 2 * 4) / 2}
+
+
+def test_dry_run_sends_the_planned_all_to_all_bytes():
+    """The dry run (fake tensors: routing taken balanced, as the planner takes it) through ep2 x pp2:
+    the all-to-all bytes rank 0 sends are the planner's plus the routing counts' exchange (8 experts
+    x int64 per MoE block and micro batch, forward only, half of it to the other rank)."""
+    from parallel3d.dryrun import dry_run
+    from parallel3d.planner import predict
+
+    overrides = [*FAST, *MOE, "parallel.ep=2", "parallel.pp=2", "run_dir=/nonexistent"]
+    [report] = dry_run(overrides, 4, [0])
+    cfg = compose(overrides)
+    check(cfg, 4)
+    planned = predict(cfg, 4).comm_bytes["ep"]["all_to_all"]
+    counts_exchange = 2 * 4 * (8 * 8) / 2  # MoE blocks on stage 0 x micro batches x bytes / 2
+    assert report.comm["ep"]["all_to_all"].sent_bytes == planned + counts_exchange

@@ -146,7 +146,8 @@ def export(checkpoint: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
         filename = "model.safetensors" if len(files) == 1 else f"model-{i:05d}-of-{len(files):05d}.safetensors"
         tensors = load_tensors(step_dir, {name: shapes[name] for name in names}, dtype)
         # Renamed; stacked experts as one tensor per expert (copies of one row each, for the file).
-        renamed = {key: t.contiguous() for name, full in tensors.items() for key, t in hf.hf_tensors(name, full, cfg).items()}
+        renamed = {key: t.contiguous() for name, full in tensors.items()
+                   for key, t in hf.hf_tensors(name, full, cfg).items()}
         write_safetensors(out_dir / filename, renamed)
         del tensors, renamed  # before the next file is read: one file's tensors in memory at a time
         weight_map.update({key: filename for key in renamed_keys(names, shapes, cfg)})

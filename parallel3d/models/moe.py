@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from parallel3d.config import ModelConfig, MoEConfig
@@ -106,9 +107,18 @@ class GroupedExperts(nn.Module):
             hidden = hidden * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
         outputs = []
-        for e, rows in enumerate(torch.split(x, counts.tolist())):
+        for e, rows in enumerate(torch.split(x, split_sizes(counts, x.shape[0]))):
             outputs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
         return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
+
+
+def split_sizes(counts: torch.Tensor, total: int) -> list[int]:
+    """``counts`` as Python ints. Under the dry run's FakeTensorMode routing has no values: take it
+    balanced (``total`` rows spread evenly), the case the planner assumes too."""
+    if is_fake(counts):
+        n = counts.numel()
+        return [total // n + (i < total % n) for i in range(n)]
+    return counts.tolist()
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -177,7 +187,9 @@ class MoE(nn.Module):
         weights, chosen, scores = self.router(flat)
         order = chosen.flatten().argsort(stable=True)
         token = order // self.moe.top_k
-        counts = torch.bincount(chosen.flatten(), minlength=self.moe.num_experts)
+        # (scatter_add, not bincount: its output's shape is static, which fake tensors need)
+        counts = torch.zeros(self.moe.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, chosen.flatten(), torch.ones_like(chosen.flatten()))
         routed = self.dispatch(flat[token], counts, self.experts)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(flat).index_add_(0, token, routed)
@@ -187,8 +199,8 @@ class MoE(nn.Module):
         aux = self.balance_loss(chosen, scores, batch, seq) if self.moe.aux_loss_coef > 0 else None
         # Count training forwards once: not evaluation or the pipeline's shape inference (no grad),
         # not activation checkpointing's replay of forward in backward.
-        if torch.is_grad_enabled() and not _recomputing():
-            aux_value = aux.detach().to("cpu", torch.float64) if aux is not None else torch.zeros((), dtype=torch.float64)
+        if torch.is_grad_enabled() and not _recomputing() and not is_fake(counts):
+            aux_value = torch.zeros((), dtype=torch.float64) if aux is None else aux.detach().to("cpu", torch.float64)
             self.forward_stats.append((counts.detach().to("cpu", torch.float64), aux_value))
         if aux is not None and torch.is_grad_enabled():
             out = AuxLossGradient.apply(out, aux)

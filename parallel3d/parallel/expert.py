@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from parallel3d.config import ModelConfig
-from parallel3d.models.moe import GroupedExperts, MoE, is_moe_layer
+from parallel3d.models.moe import GroupedExperts, MoE, is_moe_layer, split_sizes
 
 
 class AllToAll(torch.autograd.Function):
@@ -53,11 +53,13 @@ class AllToAllDispatch:
         per_rank = counts.view(self.ep, -1)  # (destination rank, its local expert)
         received = torch.empty_like(per_rank)  # (source rank, my local expert)
         dist.all_to_all_single(received, per_rank, group=self.group)
-        send, recv = per_rank.sum(1).tolist(), received.sum(1).tolist()
+        send = split_sizes(per_rank.sum(1), x.shape[0])
+        recv = split_sizes(received.sum(1), x.shape[0])  # (balanced in the dry run: what was sent)
         tokens = AllToAll.apply(x, recv, send, self.group)
         # Arrived grouped by source rank, then expert: regroup by expert (stable: source order kept).
         local_experts = torch.arange(per_rank.shape[1], device=x.device).repeat(self.ep)
-        order = torch.repeat_interleave(local_experts, received.flatten()).argsort(stable=True)
+        order = torch.repeat_interleave(local_experts, received.flatten(), output_size=tokens.shape[0])
+        order = order.argsort(stable=True)
         out = experts(tokens[order], received.sum(0))
         out = torch.empty_like(out).index_copy(0, order, out)  # back to arrival order
         return AllToAll.apply(out, send, recv, self.group)
