@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{step * 1e3:.0f} ms | {tokens:,.0f} |")
     print(heading("MoE step against dense at equal active parameters, CPU, one process", "bench_moe.py", argv))
     print()
-    print("| model | parameters | active matmul params (FLOPs/6) | median step | tokens/s |")
+    print("| model | parameters | training FLOPs per token / 6 (active) | median step | tokens/s |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
