@@ -53,6 +53,12 @@ class TrainState:
         """Full-model names, in the optimizer's order. A tied copy on a second part repeats a name."""
         return [(name, p) for part in self.parts for name, p in part.named_parameters()]
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """State that is not a parameter but is trained (the sigmoid MoE router's balancing bias)."""
+        return {f"{prefix}.{name}": buf for part in self.parts for prefix, module in part.named_modules()
+                for name, buf in module._buffers.items()
+                if buf is not None and name not in module._non_persistent_buffers_set}
+
 
 def complete_steps(root: Path) -> list[int]:
     if not root.is_dir():
@@ -72,15 +78,16 @@ def find_checkpoint(path: Path) -> Path | None:
     return None
 
 
-def _model_targets(state: TrainState, rename=lambda name: name) -> tuple[dict, list]:
-    """DCP load targets: one tensor per key (loaded in place), and the duplicates to copy it into."""
+def _model_targets(state: TrainState, keys=lambda name, param: {name: param}) -> tuple[dict, list]:
+    """DCP load targets: one tensor per key (loaded in place), and the duplicates to copy it into.
+    ``keys``: the stored keys of a parameter and the tensors (it, or views of it) they load into."""
     targets, copies = {}, []
     for name, param in state.named_parameters():
-        key = rename(name)
-        if key in targets:
-            copies.append((param, targets[key]))
-        else:
-            targets[key] = param.detach()
+        for key, target in keys(name, param.detach()).items():
+            if key in targets:
+                copies.append((target, targets[key]))
+            else:
+                targets[key] = target
     return targets, copies
 
 
@@ -94,7 +101,7 @@ def _optimizer_entries(state: TrainState):
 
 
 def state_dict(state: TrainState) -> dict[str, torch.Tensor]:
-    tensors = {name: p.detach() for name, p in state.named_parameters()}
+    tensors = {name: p.detach() for name, p in state.named_parameters()} | state.persistent_buffers()
     if state.optimizer is not None:
         tensors.update(_optimizer_entries(state))
     return tensors
@@ -197,6 +204,7 @@ class Checkpointer:
         """Restore ``state`` from checkpoint ``path`` at this run's layout; returns its meta.json."""
         meta = json.loads((path / META).read_text())
         targets, copies = _model_targets(state)
+        targets |= state.persistent_buffers()
         if state.optimizer is not None and not meta["model_only"]:
             init_optimizer_state(state.optimizer)
             for key, value in _optimizer_entries(state):
@@ -220,7 +228,7 @@ class Checkpointer:
         """Initial weights only, from one of our checkpoints or a Hugging Face Llama folder."""
         if hf.is_hf_dir(path):
             hf.check_shapes(path, model_cfg)
-            targets, copies = _model_targets(state, rename=hf.to_hf)
+            targets, copies = _model_targets(state, lambda name, param: hf.hf_tensors(name, param, model_cfg))
         else:
             found = find_checkpoint(path)
             if found is None:

@@ -41,6 +41,21 @@ class RopeScaling:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts in the feed-forward of some blocks (parallel3d/models/moe.py, docs/moe.md)."""
+
+    num_experts: int = 0  # 0: a dense model
+    top_k: int = 2  # experts each token is routed to
+    expert_ffn_dim: int = 0  # hidden size of one expert; 0: model.ffn_dim
+    shared_experts: int = 0  # experts every token goes through (one SwiGLU of shared_experts x expert_ffn_dim)
+    every: int = 1  # MoE in blocks every-1, 2*every-1, ...; the others stay dense
+    aux_loss_coef: float = 0.0  # sequence-wise load-balancing loss added to the training loss
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3: aux-loss-free balancing bias)
+    bias_update_rate: float = 1e-3  # sigmoid router: bias step per optimizer step towards even load
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     dim: int = 128
@@ -54,10 +69,17 @@ class ModelConfig:
     rope_scaling: Optional[RopeScaling] = None
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    head_dim: int = 0  # channels per attention head; 0: dim // n_heads (Qwen3 sets 128 explicitly)
+    qk_norm: bool = False  # Qwen3: RMSNorm of each query and key head before RoPE
+    moe: MoEConfig = field(default_factory=MoEConfig)
     init_std: float = 0.02
     activation_checkpoint: str = "none"  # none | full | selective (every Nth block) | op (save matmuls)
     activation_checkpoint_every: int = 2
     compile: bool = False  # torch.compile each transformer block and the loss
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.head_dim or m.dim // m.n_heads
 
 
 @dataclass
@@ -68,6 +90,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1  # context parallel: ranks that split each sequence (parallel/context.py)
     cp_method: str = "alltoall"  # alltoall (Ulysses, heads) | ring (k/v blocks around the cp ranks)
+    ep: int = 1  # expert parallelism: MoE experts split over ep of the dp_shard ranks (parallel/expert.py)
     # 0 = DDP, 1 = + optimizer state sharded, 2 = + gradients (SHARD_GRAD_OP), 3 = + parameters
     zero_stage: int = 3
     # Hugging Face Accelerate's names, for users who arrive with them. When set, it decides

@@ -1,8 +1,17 @@
-"""Hugging Face Llama interop: parameter names and ``config.json``.
+"""Hugging Face interop: parameter names and ``config.json`` for Llama, Qwen3, Qwen3-MoE and Mixtral.
 
-Our parameter names map one to one onto ``LlamaForCausalLM``'s, and the model uses Hugging Face's
-rotary convention, so weights move between the two by renaming alone: no tensor is permuted, and
-any shard of any parameter can be read or written where it lies.
+Our parameter names map one to one onto Hugging Face's, and the model uses Hugging Face's rotary
+convention, so weights move between the two by renaming alone: no tensor is permuted, and any
+shard of any parameter can be read or written where it lies. The one exception is a MoE block's
+experts: we stack them (``experts.w1`` is (experts, hidden, dim)), Hugging Face checkpoints keep
+one tensor per expert (``experts.3.gate_proj.weight``, what ``save_pretrained`` writes and hub
+checkpoints hold), so an expert is a row of ours: a view, again no copy.
+
+    family     when                            architecture          MoE block prefix, expert names
+    llama      dense, no q/k norm              LlamaForCausalLM      -
+    qwen3      dense, model.qk_norm            Qwen3ForCausalLM      -
+    qwen3_moe  model.moe, model.qk_norm        Qwen3MoeForCausalLM   mlp.       gate_proj up_proj down_proj
+    mixtral    model.moe, no q/k norm          MixtralForCausalLM    block_sparse_moe.  w1 w3 w2
 """
 
 from __future__ import annotations
@@ -11,15 +20,19 @@ import json
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from parallel3d.config import ModelConfig
 from parallel3d.base import ConfigError
+from parallel3d.config import ModelConfig, head_dim
 
 _BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -28,28 +41,59 @@ _BLOCK = {
 }
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
+_EXPERT_NAMES = {"qwen3_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+                 "mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"}}
+_MOE_PREFIX = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe."}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
 
 
-def to_hf(name: str) -> str:
-    """``layers.3.attention.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+def family(cfg: ModelConfig | None) -> str:
+    if cfg is None or not cfg.moe.num_experts:
+        return "qwen3" if cfg is not None and cfg.qk_norm else "llama"
+    return "qwen3_moe" if cfg.qk_norm else "mixtral"
+
+
+def to_hf(name: str, cfg: ModelConfig | None = None) -> str:
+    """``layers.3.attention.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (not stacked experts)."""
     if name in _TOP:
         return _TOP[name]
     _, index, rest = name.split(".", 2)
+    if rest.startswith("feed_forward.router.gate"):
+        return f"model.layers.{index}.{_MOE_PREFIX[family(cfg)]}gate.weight"
+    if rest.startswith("feed_forward.shared."):
+        raise ValueError(f"{name}: shared experts have no counterpart in {ARCHITECTURES[family(cfg)]}")
     return f"model.layers.{index}.{_BLOCK[rest]}"
 
 
+def hf_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face keys and the tensors they hold, for one of our parameters: itself renamed, or
+    for stacked experts a view of each expert this rank holds (a DTensor's local rows, under
+    expert or data parallelism whole experts)."""
+    if ".experts.w" not in name:
+        return {to_hf(name, cfg): tensor}
+    first = 0
+    if isinstance(tensor, DTensor):
+        first = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)[1][0]
+        tensor = tensor.to_local()
+    _, index, rest = name.split(".", 2)
+    fam = family(cfg)
+    prefix, weight = f"model.layers.{index}.{_MOE_PREFIX[fam]}experts", _EXPERT_NAMES[fam][rest.rsplit(".", 1)[1]]
+    return {f"{prefix}.{first + e}.{weight}.weight": tensor[e] for e in range(tensor.shape[0])}
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    """The ``config.json`` with which ``transformers`` builds this model as ``LlamaForCausalLM``."""
-    scaling = cfg.rope_scaling
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    """The ``config.json`` with which ``transformers`` builds this model (see the family table)."""
+    scaling, fam = cfg.rope_scaling, family(cfg)
+    config = {
+        "architectures": [ARCHITECTURES[fam]],
+        "model_type": fam,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.dim // cfg.n_heads,
+        "head_dim": head_dim(cfg),
         "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -66,26 +110,60 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "initializer_range": cfg.init_std,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    return config | _moe_config(cfg, fam)
+
+
+def _moe_config(cfg: ModelConfig, fam: str) -> dict:
+    moe, expert = cfg.moe, cfg.moe.expert_ffn_dim or cfg.ffn_dim
+    if fam == "qwen3_moe":
+        return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k, "moe_intermediate_size": expert,
+                "decoder_sparse_step": moe.every, "mlp_only_layers": [], "norm_topk_prob": moe.norm_topk_prob,
+                "router_aux_loss_coef": moe.aux_loss_coef, "use_sliding_window": False}
+    if fam == "mixtral":
+        return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                "intermediate_size": expert, "router_aux_loss_coef": moe.aux_loss_coef, "sliding_window": None}
+    return {"use_sliding_window": False} if fam == "qwen3" else {}
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Refuse MoE settings no Hugging Face family here has (one line naming the key)."""
+    moe, fam = cfg.moe, family(cfg)
+    if fam == "mixtral" and (moe.every != 1 or not moe.norm_topk_prob):
+        raise ValueError("model.moe: Mixtral has a MoE in every block (every=1) and renormalized top-k weights "
+                         "(norm_topk_prob=true); set them, or model.qk_norm=true for a qwen3_moe export")
+    if moe.num_experts and (moe.shared_experts or moe.router != "softmax"):
+        raise ValueError("model.moe: shared experts and the sigmoid router have no Qwen3-MoE or Mixtral "
+                         "counterpart; export needs shared_experts=0 and router=softmax")
 
 
 def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+SHAPE_KEYS = {"hidden_size": "dim", "intermediate_size": "ffn_dim", "num_hidden_layers": "n_layers",
+              "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "vocab_size": "vocab_size",
+              "tie_word_embeddings": "tie_embeddings", "head_dim": "head_dim", "num_experts": "moe.num_experts",
+              "num_local_experts": "moe.num_experts", "moe_intermediate_size": "moe.expert_ffn_dim",
+              "decoder_sparse_step": "moe.every"}
+
+
 def check_shapes(path: Path, cfg: ModelConfig) -> None:
-    """Refuse Hugging Face weights of another shape before any tensor is read, naming the key.
+    """Refuse Hugging Face weights of another shape or family before any tensor is read, naming the key.
 
     The checkpoint section of validation calls it before any process starts."""
     hf = json.loads((path / "config.json").read_text())
-    expected = {"hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-                "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-                "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings}
-    ours = {"hidden_size": "dim", "intermediate_size": "ffn_dim", "num_hidden_layers": "n_layers",
-            "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "vocab_size": "vocab_size",
-            "tie_word_embeddings": "tie_embeddings"}
-    for key, value in expected.items():
-        theirs = hf.get(key, value if key != "num_key_value_heads" else hf.get("num_attention_heads"))
-        if theirs != value:
+    expected = hf_config(cfg, torch.float32)
+    if hf.get("model_type", "llama") != expected["model_type"]:
+        raise ConfigError("checkpoint.init_from", path, f"it is a {hf.get('model_type')} model and model.* "
+                          f"describes {expected['model_type']}", "pick the matching model config (model=...)")
+    for key, ours in SHAPE_KEYS.items():
+        if key not in expected:
+            continue
+        default = hf.get("num_attention_heads") if key == "num_key_value_heads" else expected[key]
+        theirs = hf.get(key, default)
+        if key == "head_dim" and theirs is None:
+            theirs = default
+        if theirs != expected[key]:
             raise ConfigError("checkpoint.init_from", path, f"its config.json has {key}={theirs} but "
-                              f"model.{ours[key]}={value}", f"set model.{ours[key]}={theirs} (or pick the "
+                              f"model.{ours}={expected[key]}", f"set model.{ours}={theirs} (or pick the "
                               f"matching model config)")

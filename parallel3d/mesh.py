@@ -64,14 +64,17 @@ class Meshes:
     cp: Optional[DeviceMesh] = None
     tp: Optional[DeviceMesh] = None
     pp: Optional[DeviceMesh] = None
+    ep: Optional[DeviceMesh] = None  # expert parallel: ep consecutive dp_shard ranks (parallel/expert.py)
+    expert_dp: Optional[DeviceMesh] = None  # the dp ranks holding the same experts (dp / ep of them)
 
     @property
     def dp_rank(self) -> int:
         return self.dp.get_local_rank() if self.dp is not None else 0
 
 
-def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
-    """One DeviceMesh over all ranks with the dimensions of size > 1, plus its named views."""
+def build_mesh(dims: ParallelDims, device_type: str, ep: int = 1) -> Meshes:
+    """One DeviceMesh over all ranks with the dimensions of size > 1, plus its named views.
+    ``ep`` (dividing dp_shard) splits the flattened dp view into (expert_dp, ep), ep innermost."""
     active = [(name, size) for name, size in dims.sizes().items() if size > 1]
     if not active:
         return Meshes(world=None)
@@ -98,6 +101,10 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
         meshes.tp = world["tp"]
     if "pp" in names:
         meshes.pp = world["pp"]
+    if ep > 1:
+        split = meshes.dp._unflatten(0, (dims.dp // ep, ep), ("expert_dp", "ep"))
+        meshes.ep = split["ep"]
+        meshes.expert_dp = split["expert_dp"] if dims.dp > ep else None
     return meshes
 
 

@@ -132,13 +132,24 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None, uncounted=()) -> tor
     """
     with_grad = [p for p in params if p.grad is not None]  # torch's clip_grad_norm_ takes a generator too
     skip = {id(p) for p in uncounted}
-    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad if id(p) not in skip], foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    # DTensor ops take one mesh: expert-parallel experts live on the ep mesh, the rest on the dp one.
+    by_mesh = _by_mesh([p for p in with_grad if id(p) not in skip])
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if pp_group is not None:  # each pipeline rank holds other layers: add their squares
         norm = norm**2
         dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
         norm = norm.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm, foreach=True)
+        for group in _by_mesh(with_grad):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by their gradient's DeviceMesh (plain tensors: one group), in first-seen order."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return list(groups.values()) or [[]]

@@ -29,6 +29,7 @@ from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync, uses_autocast
+from parallel3d.parallel.expert import set_sequences_per_step, sync_expert_gradients
 from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -74,12 +75,13 @@ def build_setup(c: Config, device: torch.device,
     run's FakeTensorMode); None: real memory on ``device``."""
     t = c.train
     dims = ParallelDims.from_config(c.parallel)
-    meshes = build_mesh(dims, device.type)
+    meshes = build_mesh(dims, device.type, c.parallel.ep)
     spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
     # a cp rank holds 1/cp of each of its sequences' tokens
     loss_fn = token_loss_fn(spec.local_batch_size * t.seq_len // dims.cp, c.model.compile)
     microbatches = c.parallel.pp_microbatches or spec.num_micro_batches
     model, pipeline, tied = build_model(c, meshes, device, microbatches, loss_fn, materialize)
+    set_sequences_per_step([model] if pipeline is None else pipeline.parts, spec.local_batch_size)  # MoE aux loss
     with materialize or contextlib.nullcontext():
         optimizer = build_optimizer(model, c.optim)
         scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
@@ -130,6 +132,7 @@ def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor,
     loss_sum = torch.zeros((), device=s.device)
     for loss in losses:
         loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
+    sync_expert_gradients(s.model, s.meshes.expert_dp)  # expert parallelism: data parallelism ignores experts
     params = [p for p in s.model.parameters() if p.requires_grad]
     settle_gradients(params)
     if s.tied is not None:

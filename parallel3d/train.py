@@ -33,6 +33,7 @@ from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, Stop
                                attempt_store, check_corpus, log_path, report_failure, warnings_to_log)
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
+from parallel3d.parallel.expert import moe_statistics
 from parallel3d.progress import Progress
 from parallel3d.resume import check_hf_weights, check_not_past_end, pick_checkpoint, report_changes
 from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
@@ -164,6 +165,9 @@ class TrainLoop:
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         micro_batches, waited = self.batches.get(step)
         loss_sum, grad_norm = train_step(self.setup, micro_batches)
+        s = self.setup  # aux_loss and expert load ({} for a dense model); moves the sigmoid router's bias
+        self.moe_stats = moe_statistics(s.parts, s.config.model, s.spec.num_micro_batches,
+                                        dist.get_world_size() if dist.is_initialized() else 1, s.dims.dp, s.device)
         self.meter.stepped(waited)  # measures the model state while the gradients still exist
         self.setup.model.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
@@ -187,7 +191,7 @@ class TrainLoop:
             raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
                                    f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
         self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read(),
-                         **self.sampler.tokens_consumed(step), **self.evaluation})
+                         **self.sampler.tokens_consumed(step), **self.evaluation, **self.moe_stats})
 
     def save_checkpoint(self, step: int, *_, force: bool = False) -> None:
         c = self.setup.config

@@ -272,3 +272,55 @@ def test_transformers_computes_our_logits(models, name, tmp_path):
             unscaled = fresh_model(ModelConfig(**{**vars(ours.cfg), "rope_scaling": None}))
             unscaled.load_state_dict(ours.state_dict())
             assert (unscaled(batch) - expected).abs().max() > 1e-3
+
+
+# -- Qwen3, Qwen3-MoE, Mixtral --------------------------------------------------------------------
+
+FAMILIES = {  # family: (transformers class, our model config at tiny sizes)
+    "qwen3": ("Qwen3ForCausalLM", dict(qk_norm=True, head_dim=48, tie_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qk_norm=True, head_dim=48, moe=dict(every=2, norm_topk_prob=False))),
+    "mixtral": ("MixtralForCausalLM", dict(moe=dict(top_k=2))),
+}
+
+
+def family_config(name: str) -> ModelConfig:
+    from parallel3d.config import MoEConfig
+
+    extra = dict(FAMILIES[name][1])
+    moe = extra.pop("moe", None)
+    moe = MoEConfig(**{"num_experts": 4, "top_k": 3, "expert_ffn_dim": 32, **moe}) if moe is not None else MoEConfig()
+    # A wide init: decisive routing (no near-ties for float32 rounding to flip between implementations).
+    return ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, init_std=0.2,
+                       moe=moe, **extra)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_families_export_to_transformers_and_back(name, tmp_path):
+    """A random model of each family: its export is the transformers class with our logits
+    (float32, 1e-5), the family's names and per-expert tensors; it imports back bit for bit, also
+    from what transformers itself saves."""
+    from dataclasses import asdict
+
+    transformers = pytest.importorskip("transformers")
+    cfg = family_config(name)
+    ours = fresh_model(cfg)
+    ours.init_weights(seed=3)
+    (tmp_path / "run").mkdir()
+    yaml = OmegaConf.to_yaml({"model": asdict(cfg), "data": {"tokenizer": "byte"}})
+    Checkpointer(tmp_path / "run", CheckpointConfig()).save(1, TrainState([ours]), {}, yaml)
+    assert convert_hf.main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [FAMILIES[name][0]] and config["model_type"] == name
+    theirs = getattr(transformers, FAMILIES[name][0]).from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    batch = tokens(cfg)
+    with torch.no_grad():
+        expected = ours(batch)
+        torch.testing.assert_close(theirs(batch).logits, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(from_hf_dir(tmp_path / "hf", cfg)(batch), expected)
+        theirs.save_pretrained(tmp_path / "saved")
+        assert torch.equal(from_hf_dir(tmp_path / "saved", cfg)(batch), expected)
+    if cfg.moe.num_experts:
+        with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        prefix = "model.layers.1." + ("mlp.experts.3.down_proj" if name == "qwen3_moe" else "block_sparse_moe.experts.3.w2")
+        assert f"{prefix}.weight" in keys

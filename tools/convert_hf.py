@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Export a parallel3d checkpoint as a Hugging Face Llama folder: safetensors files + config.json.
+"""Export a parallel3d checkpoint as a Hugging Face folder (Llama, Qwen3, Qwen3-MoE or Mixtral: see
+parallel3d/hf.py): safetensors files + config.json.
 
     python tools/convert_hf.py export CHECKPOINT OUT_DIR [--dtype bfloat16|float32|float16]
                                                          [--max-shard-size 5GB]
@@ -81,6 +82,11 @@ def parameter_shapes(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Size]:
     return {name: stored[name].size for name in names}
 
 
+def renamed_keys(names: list[str], shapes: dict[str, torch.Size], cfg: ModelConfig) -> list[str]:
+    """The Hugging Face keys of these parameters (stacked experts: one per expert)."""
+    return [key for name in names for key in hf.hf_tensors(name, torch.empty(shapes[name], device="meta"), cfg)]
+
+
 def plan_files(shapes: dict[str, torch.Size], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
     """Consecutive parameters per output file, each file at most max_bytes (a larger tensor alone)."""
     files, size = [[]], 0
@@ -132,15 +138,19 @@ def export(checkpoint: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
         raise FileExistsError(f"{out_dir} holds safetensors files already: export into a new folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model_config(step_dir)
+    hf.check_exportable(cfg)
     shapes = parameter_shapes(step_dir, cfg)
     files = plan_files(shapes, dtype, max_shard_bytes)
     weight_map = {}
     for i, names in enumerate(files, start=1):
         filename = "model.safetensors" if len(files) == 1 else f"model-{i:05d}-of-{len(files):05d}.safetensors"
         tensors = load_tensors(step_dir, {name: shapes[name] for name in names}, dtype)
-        write_safetensors(out_dir / filename, {hf.to_hf(name): t for name, t in tensors.items()})
-        del tensors  # before the next file is read: one file's tensors in memory at a time
-        weight_map.update({hf.to_hf(name): filename for name in names})
+        # Renamed; stacked experts as one tensor per expert (copies of one row each, for the file).
+        renamed = {key: t.contiguous() for name, full in tensors.items()
+                   for key, t in hf.hf_tensors(name, full, cfg).items()}
+        write_safetensors(out_dir / filename, renamed)
+        del tensors, renamed  # before the next file is read: one file's tensors in memory at a time
+        weight_map.update({key: filename for key in renamed_keys(names, shapes, cfg)})
         print(f"{out_dir / filename}: {len(names)} tensors", flush=True)
     if len(files) > 1:
         total = sum(shape.numel() * dtype.itemsize for shape in shapes.values())

@@ -20,8 +20,9 @@ from einops import rearrange
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from parallel3d.config import ModelConfig, RopeScaling
+from parallel3d.config import ModelConfig, RopeScaling, head_dim
 from parallel3d.models.attention import rotary_tables, sdpa
+from parallel3d.models.moe import MoE, active_ffn_params, expert_hidden, is_moe_layer
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -54,7 +55,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = head_dim(cfg)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
@@ -62,6 +63,9 @@ class Attention(nn.Module):
         # Context parallelism (parallel/context.py) swaps in attention across the cp ranks, which
         # also knows the global positions of this rank's part of the sequence.
         self.attend = LocalAttention()
+        # Qwen3: each query and key head RMS-normalized (over head_dim) before RoPE.
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,6 +80,8 @@ class Attention(nn.Module):
         if positions is None:
             positions = self.attend.positions(q.shape[2], q.device)
         cos, sin = rotary_tables(cos, sin, q.shape[2], positions)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.wo(rearrange(self.attend(q, k, v, doc_ids), "b h s d -> b s (h d)"))
 
@@ -101,13 +107,21 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Dense SwiGLU, or a mixture of experts (with its shared experts) where ``model.moe`` says."""
+    if not is_moe_layer(cfg, layer):
+        return FeedForward(cfg.dim, cfg.ffn_dim)
+    shared = cfg.moe.shared_experts * expert_hidden(cfg)
+    return MoE(cfg, FeedForward(cfg.dim, shared) if shared else None)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = feed_forward(cfg, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,7 +136,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         # Tied embeddings are one parameter used twice, not two modules sharing a weight:
         # to_empty() and sharding would silently untie a shared Parameter.
@@ -155,7 +169,7 @@ class Transformer(nn.Module):
         """Materialized (``to_empty``) parameters get their layout-independent initial values."""
         angles = torch.outer(
             torch.arange(self.cfg.max_seq_len, dtype=torch.float32),
-            rope_frequencies(self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta, self.cfg.rope_scaling),
+            rope_frequencies(head_dim(self.cfg), self.cfg.rope_theta, self.cfg.rope_scaling),
         )
         device = self.rope_cos.device  # every pipeline stage has the buffers, not every stage the embedding
         self.rope_cos = angles.cos().to(device)
@@ -164,11 +178,14 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if "norm" in name:
                 std = None
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            elif name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
                 std = residual_std  # GPT-2 scaling: keeps the residual stream's variance flat in depth
             else:
                 std = self.cfg.init_std
             _init_param(param, name, seed, std)
+        for name, buffer in self.named_buffers():
+            if name.endswith("expert_bias"):  # the sigmoid router's balancing bias starts at zero
+                buffer.zero_()
 
 
 def _init_param(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
@@ -196,8 +213,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     The embedding lookup does no matmul, so it counts only when tied to the output projection.
     """
-    head_dim = cfg.dim // cfg.n_heads
-    attention = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * head_dim + cfg.n_heads * head_dim * cfg.dim
-    block = attention + 3 * cfg.dim * cfg.ffn_dim
-    matmul_params = cfg.n_layers * block + cfg.vocab_size * cfg.dim
-    return 6 * matmul_params + 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
+    hd = head_dim(cfg)
+    attention = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * cfg.dim
+    moe_layers = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layers))
+    ffn = (cfg.n_layers - moe_layers) * 3 * cfg.dim * cfg.ffn_dim + moe_layers * active_ffn_params(cfg)
+    matmul_params = cfg.n_layers * attention + ffn + cfg.vocab_size * cfg.dim
+    return 6 * matmul_params + 12 * cfg.n_layers * cfg.n_heads * hd * seq_len

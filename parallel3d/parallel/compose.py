@@ -18,6 +18,7 @@ from parallel3d.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
 from parallel3d.parallel.context import apply_context_parallel
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
+from parallel3d.parallel.expert import apply_expert_parallel
 from parallel3d.parallel.tensor import apply_tensor_parallel
 
 
@@ -68,8 +69,9 @@ def parallelize(model: nn.Module, meshes: Meshes, plan: ParallelPlan) -> None:
         apply_tensor_parallel(model, meshes.tp, plan.sequence_parallel)
     if meshes.cp is not None:
         apply_context_parallel(model, meshes.cp, plan.cp_method)
+    experts = apply_expert_parallel(model, meshes.ep) if meshes.ep is not None else set()
     apply_activation_checkpointing(model, plan.activation.mode, plan.activation.every)
     if plan.compile:
         compile_blocks(model)
     if meshes.dp_cp is not None:  # cp ranks hold the same parameters as data-parallel ranks do
-        apply_data_parallel(model, meshes.dp_cp, meshes.fsdp, plan.data)
+        apply_data_parallel(model, meshes.dp_cp, meshes.fsdp, plan.data, ignored=experts)

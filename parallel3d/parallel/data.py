@@ -60,13 +60,16 @@ class DataParallelPlan:
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, fsdp_mesh: DeviceMesh | None,
-                        plan: DataParallelPlan) -> None:
-    """Wrap ``model`` (still on the meta device) in place for data-parallel training."""
+                        plan: DataParallelPlan, ignored: set[nn.Parameter] = frozenset()) -> None:
+    """Wrap ``model`` (still on the meta device) in place for data-parallel training; ``ignored``
+    parameters are left alone (expert-parallel experts: ``parallel.expert`` syncs them)."""
     mp_policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
+    ignored_params = set(ignored) or None
     if plan.zero_stage == 0:
-        replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+        replicate(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
         return
     shard = dict(mesh=dp_mesh if plan.zero_stage == 1 else fsdp_mesh, mp_policy=mp_policy,
+                 ignored_params=ignored_params,
                  offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy())
     # Units inside the root receive activations already in the compute dtype, and the RoPE tables,
     # which must stay float32: cast, they would lose precision and every block would keep its own

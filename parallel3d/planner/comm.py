@@ -37,6 +37,13 @@ When the code communicates (see ``parallel/data.py`` and torch's pipelining stag
 * Pipeline: each microbatch sends its activations (b·s·dim·c, s/tp under sequence parallelism)
   to the next stage on another rank and the gradient back; tied embeddings all-reduce the
   embedding gradient between the first and last stage (a group of two) once per step.
+* Expert parallelism (``parallel/expert.py``), per MoE block and micro batch: the token copies
+  (b·s·top_k·dim·c) go to their experts and the results come back, one all-to-all each way in
+  forward and again in backward (and once more each way when full checkpointing recomputes the
+  block). What a rank must send is the copies routed to experts elsewhere: (ep-1)/ep of them under
+  balanced routing, the minimum any routing needs on average, and what is counted. FSDP ignores
+  expert weights; their gradients are all-reduced once per step over the ``expert_dp`` ranks
+  (dp / ep) that hold the same experts.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from parallel3d.planner.activations import Geometry, checkpointed
 from parallel3d.planner.layout import MASTER_BYTES, Layout, ModelShape, Stage, embedding_param
 from parallel3d.planner.memory import param_state, tp_local_shape
 
-GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp", "cp", "dp_cp", "dp_shard_cp")
+GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp", "cp", "dp_cp", "dp_shard_cp", "ep", "expert_dp")
 
 
 def ring(kind: str, total_bytes: float, n: int) -> float:
@@ -63,8 +70,8 @@ def padded_numel(model: ModelShape, stage: Stage, layout: Layout, n: int, blocks
     multiple of n (FSDP's flat all-gather moves the padding too)."""
     total = 0
     for spec, count in stage.counted_params(model):
-        if blocks_only and not spec.name.startswith("layers."):
-            continue
+        if (blocks_only and not spec.name.startswith("layers.")) or (spec.expert and layout.ep > 1):
+            continue  # (expert-parallel experts: FSDP ignores them)
         shape = tp_local_shape(spec, layout.tp)
         total += count * -(-shape[0] // n) * n * math.prod(shape[1:])
     return total
@@ -101,6 +108,8 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
             _context_parallel(out["cp"], model, stage, layout)
     if piped:
         _pipeline(out["pp"], model, stages, layout)
+    if layout.ep > 1:
+        _expert_parallel(out, model, stages, layout)
     return {group: dict(kinds) for group, kinds in out.items() if any(kinds.values())}
 
 
@@ -190,3 +199,14 @@ def _pipeline(out: dict[str, float], model: ModelShape, stages: list[Stage], lay
         grad = param_state(embedding_param(model), layout).grad_bytes
         out["all_reduce"] += ring("all_reduce", grad, 2)
 
+
+
+def _expert_parallel(out: dict, model: ModelShape, stages: list[Stage], layout: Layout) -> None:
+    moe_blocks = sum(model.is_moe(layer) for stage in stages for layer in stage.blocks)
+    copies = layout.micro_batch_size * layout.seq_len * model.top_k * model.dim * layout.compute_bytes
+    exchanges = 4 + 2 * (layout.activation_checkpoint == "full")  # dispatch + combine, forward and backward
+    out["ep"]["all_to_all"] += layout.micro_batches * moe_blocks * exchanges * ring("all_to_all", copies, layout.ep)
+    expert_dp = layout.dp // layout.ep
+    experts = sum(count * spec.numel // layout.ep for stage in stages for spec, count in stage.counted_params(model)
+                  if spec.expert)
+    out["expert_dp"]["all_reduce"] += ring("all_reduce", experts * MASTER_BYTES, expert_dp)

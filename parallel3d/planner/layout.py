@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from parallel3d.base import resolve_device
+from parallel3d.config import MoEConfig
 from parallel3d.mesh import ParallelDims
 from parallel3d.parallel.data import uses_autocast
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
@@ -35,14 +36,34 @@ class ModelShape:
     ffn_dim: int
     vocab_size: int
     tie_embeddings: bool
+    attention_head_dim: int = 0  # 0: dim // n_heads
+    qk_norm: bool = False
+    num_experts: int = 0  # model.moe.*: 0 for a dense model
+    top_k: int = 0
+    expert_ffn_dim: int = 0
+    shared_experts: int = 0
+    moe_every: int = 1
 
     @classmethod
     def from_config(cls, m) -> "ModelShape":
-        return cls(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings))
+        moe = m.moe
+        return cls(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings),
+                   m.head_dim, bool(m.qk_norm), moe.num_experts, moe.top_k, moe.expert_ffn_dim or m.ffn_dim,
+                   moe.shared_experts, moe.every)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
+
+    @property
+    def moe(self) -> MoEConfig:
+        """As ``ModelConfig.moe``, for code that takes either (``models.flops_per_token``)."""
+        return MoEConfig(num_experts=self.num_experts, top_k=self.top_k, expert_ffn_dim=self.expert_ffn_dim,
+                         shared_experts=self.shared_experts, every=self.moe_every)
+
+    def is_moe(self, layer: int) -> bool:
+        """As ``models.moe.is_moe_layer``."""
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
 
     @property
     def kv_dim(self) -> int:
@@ -72,6 +93,7 @@ class Layout(ParallelDims):
     device: str = "cuda"  # whose kernels the activation model counts (cpu: composite RMSNorm, ...)
     document_masking: bool = False  # data.document_masking: attention keeps a (b, 1, s, s) mask
     reset_positions: bool = False  # data.reset_positions: each block gathers per-token RoPE tables
+    ep: int = 1  # expert parallelism: experts split over ep dp_shard ranks, replicated over the rest
 
     @classmethod
     def from_config(cls, cfg, device: str | None = None) -> "Layout":
@@ -87,7 +109,7 @@ class Layout(ParallelDims):
             pp_microbatches=p.pp_microbatches, activation_checkpoint=m.activation_checkpoint,
             activation_checkpoint_every=m.activation_checkpoint_every, fsdp_prefetch=p.fsdp_prefetch,
             param_dtype=t.param_dtype,
-            reduce_dtype=t.reduce_dtype, device=resolve_device(t.device, device or "cuda"),
+            reduce_dtype=t.reduce_dtype, device=resolve_device(t.device, device or "cuda"), ep=p.ep,
             document_masking=bool(cfg.data.document_masking), reset_positions=bool(cfg.data.reset_positions),
         )
 
@@ -155,6 +177,7 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     tp_dim: Optional[int]
+    expert: bool = False  # stacked experts (dim 0): split over ep, left alone by FSDP when ep > 1
 
     @property
     def numel(self) -> int:
@@ -166,10 +189,31 @@ def block_params(model: ModelShape, layer: int) -> list[ParamSpec]:
     column-parallel wq wk wv w1 w3 split their output features (dim 0 of the weight), row-parallel
     wo w2 their input features (dim 1); the norms are replicated."""
     D, F, q, kv = model.dim, model.ffn_dim, model.n_heads * model.head_dim, model.kv_dim
+    p = f"layers.{layer}."
     shapes = {"attention_norm": (D,), "attention.wq": (q, D), "attention.wk": (kv, D), "attention.wv": (kv, D),
               "attention.wo": (D, q), "ffn_norm": (D,), "feed_forward.w1": (F, D), "feed_forward.w2": (D, F),
               "feed_forward.w3": (F, D)}
-    return [ParamSpec(f"layers.{layer}.{name}.weight", shapes[name], dim) for name, dim in BLOCK_SPLITS.items()]
+    moe = model.is_moe(layer)  # a MoE feed-forward replaces the dense one
+    params = [ParamSpec(f"{p}{name}.weight", shapes[name], dim) for name, dim in BLOCK_SPLITS.items()
+              if not (moe and name.startswith("feed_forward."))]
+    if model.qk_norm:
+        params += [ParamSpec(p + f"attention.{n}.weight", (model.head_dim,), None) for n in ("q_norm", "k_norm")]
+    return params + (moe_params(model, p + "feed_forward.") if moe else [])
+
+
+def swiglu_params(prefix: str, D: int, F: int) -> list[ParamSpec]:
+    return [ParamSpec(prefix + "w1.weight", (F, D), 0), ParamSpec(prefix + "w2.weight", (D, F), 1),
+            ParamSpec(prefix + "w3.weight", (F, D), 0)]
+
+
+def moe_params(model: ModelShape, prefix: str) -> list[ParamSpec]:
+    """A MoE feed-forward (``models.moe.MoE``): router, stacked experts, shared experts."""
+    D, H, E = model.dim, model.expert_ffn_dim, model.num_experts
+    experts = [ParamSpec(prefix + "experts.w1", (E, H, D), None, expert=True),
+               ParamSpec(prefix + "experts.w2", (E, D, H), None, expert=True),
+               ParamSpec(prefix + "experts.w3", (E, H, D), None, expert=True)]
+    shared = swiglu_params(prefix + "shared.", D, model.shared_experts * H) if model.shared_experts else []
+    return [ParamSpec(prefix + "router.gate.weight", (E, D), None), *experts, *shared]
 
 
 def embedding_param(model: ModelShape) -> ParamSpec:
@@ -212,8 +256,10 @@ class Stage:
         """The same, as (parameter, how many): blocks are alike, so a 126-layer stage costs as
         little to plan as one block (names are those of the first block)."""
         out = [(embedding_param(model), 1)] if self.first else []
-        if self.blocks:
-            out += [(spec, len(self.blocks)) for spec in block_params(model, self.blocks[0])]
+        for kind in (False, True):  # dense blocks, then MoE blocks
+            alike = [layer for layer in self.blocks if model.is_moe(layer) == kind]
+            if alike:
+                out += [(spec, len(alike)) for spec in block_params(model, alike[0])]
         if self.last:
             out += [(spec, 1) for spec in head_params(model, holds_embedding=self.first)]
         return out

@@ -1,0 +1,233 @@
+"""Mixture of experts: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token.
+
+Dropless: every token reaches every expert it picked, so the result does not depend on how
+tokens are batched, split over ranks or micro batches (layout invariance, as for dense blocks).
+Tokens are sorted by expert and each expert multiplies its contiguous rows: one grouped matmul
+(``torch._grouped_mm``) on a GPU that has it, a loop over experts elsewhere (the same sums).
+
+Where the sorted tokens are computed is the ``dispatch``'s business: here, on this rank; under
+expert parallelism (``parallel3d.parallel.expert``) an all-to-all sends them to the rank holding
+their expert and brings the results back.
+
+Load balancing:
+* ``aux_loss_coef``: a sequence-wise balance loss (DeepSeek-V3 eq. 17-20), ``E/(K*S) * sum_i
+  count_i * mean_prob_i`` per sequence, averaged over the step's sequences. Computed per sequence it
+  is the same in every layout (a batch-wide loss would depend on the micro batch). It joins the
+  training loss through its gradient (``AuxLossGradient``), so no schedule or loss function needs to
+  know about it; metrics report it as ``aux_loss``.
+* ``router=sigmoid``: DeepSeek-V3's aux-loss-free balancing: a per-expert bias, added to the scores
+  for choosing experts only, moves by ``bias_update_rate`` after each step towards even load.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
+
+from parallel3d.config import ModelConfig, MoEConfig
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Blocks every-1, 2*every-1, ... are MoE (``every=1``: all; ``every=2``: the odd ones)."""
+    return cfg.moe.num_experts > 0 and (layer + 1) % cfg.moe.every == 0
+
+
+def expert_hidden(cfg: ModelConfig) -> int:
+    return cfg.moe.expert_ffn_dim or cfg.ffn_dim
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, moe: MoEConfig):
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(dim, moe.num_experts, bias=False)
+        # Selection bias of the sigmoid router, a buffer: trained by load, not by gradients.
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(n, d) tokens -> routing weights (n, k), chosen experts (n, k), scores (n, E) summing to 1."""
+        logits = self.gate(x).float()
+        if self.moe.router == "softmax":
+            scores = logits.softmax(dim=-1)
+            weights, chosen = scores.topk(self.moe.top_k, dim=-1)
+        else:
+            affinity = logits.sigmoid()
+            chosen = (affinity + self.expert_bias).topk(self.moe.top_k, dim=-1).indices
+            weights = affinity.gather(-1, chosen)
+            scores = affinity / affinity.sum(dim=-1, keepdim=True)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen, scores
+
+
+class ScaleGradient(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` (expert weights under expert
+    parallelism receive the gradients of ep ranks' tokens: see ``parallel.expert``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts as three stacked weights (experts first, Hugging Face's
+    (out, in) orientation per expert): w1, w3 (E, H, D), w2 (E, D, H)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.grad_scale = 1.0
+
+    def local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's experts (all of them without expert parallelism), in the compute dtype (data
+        parallelism's mixed precision does not cast them under expert parallelism: it ignores them)."""
+        out = [(w.to_local() if isinstance(w, DTensor) else w).to(dtype) for w in (self.w1, self.w2, self.w3)]
+        if self.grad_scale != 1.0:
+            out = [ScaleGradient.apply(w, self.grad_scale) for w in out]
+        return out[0], out[1], out[2]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x`` sorted by expert, ``counts[e]`` of them for local expert e."""
+        w1, w2, w3 = self.local_weights(x.dtype)
+        if _grouped_mm_applies(x, w1):
+            offsets = counts.cumsum(0).to(torch.int32)
+            hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+            hidden = hidden * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
+        outputs = []
+        for e, rows in enumerate(torch.split(x, split_sizes(counts, x.shape[0]))):
+            outputs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
+        return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
+
+
+def split_sizes(counts: torch.Tensor, total: int) -> list[int]:
+    """``counts`` as Python ints. Under the dry run's FakeTensorMode routing has no values: take it
+    balanced (``total`` rows spread evenly), the case the planner assumes too."""
+    if is_fake(counts):
+        n = counts.numel()
+        return [total // n + (i < total % n) for i in range(n)]
+    return counts.tolist()
+
+
+def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm: CUDA, bfloat16, dims that are multiples of 16 (its kernel's alignment)."""
+    return (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == w.dtype == torch.bfloat16
+            and x.shape[-1] % 16 == 0 and w.shape[1] % 16 == 0)
+
+
+def local_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+    """Compute the expert-sorted tokens here (every expert is on this rank)."""
+    return experts(x, counts)
+
+
+class AuxLossGradient(torch.autograd.Function):
+    """Returns ``out`` unchanged and gives ``aux`` the gradient 1 in backward: the aux loss
+    joins the training loss wherever (and on whichever pipeline stage) the LM loss is computed."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
+class MoE(nn.Module):
+    """The feed-forward of a MoE block: routed experts plus optional shared experts."""
+
+    def __init__(self, cfg: ModelConfig, shared: Optional[nn.Module] = None):
+        super().__init__()
+        self.moe = cfg.moe
+        self.router = Router(cfg.dim, cfg.moe)
+        self.experts = GroupedExperts(cfg.moe.num_experts, cfg.dim, expert_hidden(cfg))
+        self.shared = shared
+        self.dispatch: Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor] = local_dispatch
+        # Set by the trainer: the sequences one rank trains on per step (the aux loss is a mean
+        # over the step's sequences, and data-parallel gradients are averaged over ranks).
+        self.sequences_per_step = 1
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """(tokens per expert, aux loss) of each training forward since the last step, on the host."""
+        self.forward_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def step_stats(self, forwards: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens per expert and aux loss summed over the step's last ``forwards`` forwards (the
+        step's micro batches): in its first step torch's pipeline stage runs one more forward
+        first, on empty tensors, to infer shapes."""
+        kept = self.forward_stats[-forwards:]
+        tokens = sum((t for t, _ in kept), torch.zeros(self.moe.num_experts, dtype=torch.float64))
+        return tokens, sum((a for _, a in kept), torch.zeros((), dtype=torch.float64))
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.step_stats(len(self.forward_stats))[0]
+
+    @property
+    def aux_loss_sum(self) -> torch.Tensor:
+        return self.step_stats(len(self.forward_stats))[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        weights, chosen, scores = self.router(flat)
+        order = chosen.flatten().argsort(stable=True)
+        token = order // self.moe.top_k
+        # (scatter_add, not bincount: its output's shape is static, which fake tensors need)
+        counts = torch.zeros(self.moe.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, chosen.flatten(), torch.ones_like(chosen.flatten()))
+        routed = self.dispatch(flat[token], counts, self.experts)
+        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(flat).index_add_(0, token, routed)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        out = out.view(batch, seq, dim)
+        aux = self.balance_loss(chosen, scores, batch, seq) if self.moe.aux_loss_coef > 0 else None
+        # Count training forwards once: not evaluation or the pipeline's shape inference (no grad),
+        # not activation checkpointing's replay of forward in backward.
+        if torch.is_grad_enabled() and not _recomputing() and not is_fake(counts):
+            aux_value = torch.zeros((), dtype=torch.float64) if aux is None else aux.detach().to("cpu", torch.float64)
+            self.forward_stats.append((counts.detach().to("cpu", torch.float64), aux_value))
+        if aux is not None and torch.is_grad_enabled():
+            out = AuxLossGradient.apply(out, aux)
+        return out
+
+    def balance_loss(self, chosen: torch.Tensor, scores: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        """Sequence-wise balance loss of this micro batch, weighted by ``aux_loss_coef`` and
+        divided by the rank's sequences per step (its share of the step's mean)."""
+        E, K = self.moe.num_experts, self.moe.top_k
+        picked = F.one_hot(chosen.view(batch, seq * K), E).sum(dim=1).float()  # (batch, E)
+        load = picked * (E / (K * seq))
+        mean_score = scores.view(batch, seq, E).mean(dim=1)
+        per_sequence = (load * mean_score).sum(dim=-1)
+        return self.moe.aux_loss_coef * per_sequence.sum() / self.sequences_per_step
+
+
+def _recomputing() -> bool:
+    """True while autograd runs a backward pass (a checkpointed forward being replayed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """This model's (or pipeline stage's) MoE feed-forwards by block name."""
+    return {name: block.feed_forward for name, block in model.layers.items() if isinstance(block.feed_forward, MoE)}
+
+
+def active_ffn_params(cfg: ModelConfig) -> int:
+    """Feed-forward matmul weights a token passes through in one MoE block (router included)."""
+    per_expert = 3 * cfg.dim * expert_hidden(cfg)
+    return (cfg.moe.top_k + cfg.moe.shared_experts) * per_expert + cfg.dim * cfg.moe.num_experts

@@ -1,0 +1,141 @@
+"""Expert parallelism: the experts of each MoE block split over ``parallel.ep`` ranks.
+
+The ep ranks are borrowed from the data-parallel ones (torchtitan's choice): ep divides
+dp_shard, and ep neighbours are consecutive dp_shard ranks. Each ep rank routes its own tokens;
+an all-to-all sends every token copy to the rank that holds its expert, that rank runs its experts
+on what it received, and a second all-to-all brings the results back, in the order they left.
+Backward is the same exchange in reverse (``AllToAll``).
+
+Gradients: an expert sees the tokens of all ep ranks, so its gradient already sums the losses of
+ep ranks, which data parallelism would otherwise average: ``grad_scale = 1/ep`` makes it that
+average. Across the ranks left over (dp / ep of them, "expert data parallel"), which hold the same
+experts, ``sync_expert_gradients`` averages the gradients, as DDP does: expert weights are
+replicated over those ranks, not FSDP-sharded (FSDP ignores them; see docs/moe.md).
+
+Tensor parallelism does not meet experts yet: validation refuses tp > 1 with MoE.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from parallel3d.config import ModelConfig
+from parallel3d.models.moe import GroupedExperts, MoE, is_moe_layer, split_sizes
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; its backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty(sum(output_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        return AllToAll.apply(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+class AllToAllDispatch:
+    """Send expert-sorted tokens to their experts' ranks, compute, and bring the results back."""
+
+    def __init__(self, ep_mesh: DeviceMesh):
+        self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        per_rank = counts.view(self.ep, -1)  # (destination rank, its local expert)
+        received = torch.empty_like(per_rank)  # (source rank, my local expert)
+        dist.all_to_all_single(received, per_rank, group=self.group)
+        send = split_sizes(per_rank.sum(1), x.shape[0])
+        recv = split_sizes(received.sum(1), x.shape[0])  # (balanced in the dry run: what was sent)
+        tokens = AllToAll.apply(x, recv, send, self.group)
+        # Arrived grouped by source rank, then expert: regroup by expert (stable: source order kept).
+        local_experts = torch.arange(per_rank.shape[1], device=x.device).repeat(self.ep)
+        order = torch.repeat_interleave(local_experts, received.flatten(), output_size=tokens.shape[0])
+        order = order.argsort(stable=True)
+        out = experts(tokens[order], received.sum(0))
+        out = torch.empty_like(out).index_copy(0, order, out)  # back to arrival order
+        return AllToAll.apply(out, send, recv, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Split the experts of ``model``'s MoE blocks (still on meta) over ``ep_mesh`` along the
+    expert dim; returns their parameters (data parallelism must leave them to ``sync_expert_gradients``)."""
+    params: set[nn.Parameter] = set()
+    for block in model.layers.values():
+        if not isinstance(block.feed_forward, MoE):
+            continue
+        moe = block.feed_forward
+        experts = moe.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None))
+            experts.register_parameter(name, sharded)
+            params.add(sharded)
+        experts.grad_scale = 1.0 / ep_mesh.size()
+        moe.dispatch = AllToAllDispatch(ep_mesh)
+    return params
+
+
+def expert_modules(model: nn.Module) -> list[GroupedExperts]:
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+
+@torch.no_grad()
+def sync_expert_gradients(model: nn.Module, expert_dp: DeviceMesh | None) -> None:
+    """Average the expert gradients over the ranks that hold the same experts (after backward)."""
+    if expert_dp is None:
+        return
+    grads = [w.grad.to_local() if isinstance(w.grad, DTensor) else w.grad
+             for experts in expert_modules(model) for w in experts.parameters() if w.grad is not None]
+    if grads:
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=expert_dp.get_group())
+        torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+def set_sequences_per_step(parts: list[nn.Module], sequences: int) -> None:
+    """The aux loss of each MoE block is a mean over the ``sequences`` a rank trains on per step."""
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, MoE):
+                module.sequences_per_step = sequences
+
+
+def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, micro_batches: int, world_group_size: int, dp: int,
+                   device: torch.device) -> dict:
+    """The step's ``aux_loss`` (as added to the loss: mean over the global batch, summed over MoE
+    blocks), tokens per expert summed over blocks and ranks (``expert_load``) and the worst block's
+    ``expert_load_max_over_mean``; resets the blocks' counters and, for the sigmoid router, moves
+    its balancing bias. ``micro_batches``: the forwards each block ran this step. Every rank must
+    call it (one all-reduce over the world)."""
+    names = [str(i) for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
+    if not names:
+        return {}
+    local = {name: part.layers[name].feed_forward for part in parts for name in names if name in part.layers}
+    stats = torch.zeros(1 + len(names) * cfg.moe.num_experts, dtype=torch.float64)
+    for i, name in enumerate(names):
+        if name in local:
+            tokens, aux = local[name].step_stats(micro_batches)
+            stats[0] += aux
+            stats[1 + i * cfg.moe.num_experts : 1 + (i + 1) * cfg.moe.num_experts] = tokens
+            local[name].reset_stats()
+    if world_group_size > 1:  # pipeline stages hold different blocks, data ranks different tokens
+        stats = stats.to(device)
+        dist.all_reduce(stats)
+        stats = stats.cpu()
+    aux, loads = stats[0] / dp, stats[1:].view(len(names), cfg.moe.num_experts)
+    if cfg.moe.router == "sigmoid":
+        for i, name in enumerate(names):
+            if name in local:
+                bias = local[name].router.expert_bias
+                bias += cfg.moe.bias_update_rate * torch.sign(loads[i].mean() - loads[i]).to(bias)
+    imbalance = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-12)).max()
+    return {"aux_loss": float(aux), "expert_load": [int(v) for v in loads.sum(0).tolist()],
+            "expert_load_max_over_mean": float(imbalance)}

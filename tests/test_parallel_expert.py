@@ -1,0 +1,122 @@
+"""Expert parallelism (parallel3d/parallel/expert.py): every layout trains the tiny MoE to the
+losses, gradient norms, aux losses, expert loads and final weights of one process; the planner's
+model-state bytes are exact (``Parity.run``); validation refuses what is not supported."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import FAST, launch, relative_error
+from parallel3d.config import compose
+from parallel3d.validate import ConfigError, check
+
+MOE = ["model=tiny_moe"]
+
+LAYOUTS = {  # name: (ranks, overrides)
+    "ep2-dp2-zero3": (2, ["parallel.ep=2", "parallel.zero_stage=3", "checkpoint.every=4"]),  # + resharding
+    "ep4-dp4-zero3": (4, ["parallel.ep=4", "parallel.zero_stage=3"]),
+    "ep2-dp4-zero2": (4, ["parallel.ep=2", "parallel.zero_stage=2"]),  # experts averaged over 2 expert-dp ranks
+    "ep2-dp2-pp2": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"]),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(parity):
+    return parity.run("moe-reference", 1, [*MOE, "train.micro_batch_size=16"])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_layout_trains_like_one_process(parity, moe_reference, name):
+    nproc, overrides = LAYOUTS[name]
+    run = parity.run(f"moe-{name}", nproc, [*MOE, *overrides])
+    ref = moe_reference.metrics
+    assert relative_error(run.losses, moe_reference.losses) < 1e-5
+    assert relative_error([r["grad_norm"] for r in run.metrics], [r["grad_norm"] for r in ref]) < 1e-5
+    assert relative_error([r["aux_loss"] for r in run.metrics], [r["aux_loss"] for r in ref]) < 1e-5
+    assert run.metrics[0]["expert_load"] == ref[0]["expert_load"]  # the same routing, counted globally
+    tokens = 16 * 64 * 2 * 4  # sequences x length x top_k x MoE blocks
+    assert all(sum(r["expert_load"]) == tokens for r in run.metrics)
+    assert all(r["expert_load_max_over_mean"] >= 1 for r in run.metrics)
+    weights = load_file(str(run.run_dir / "model.safetensors"))
+    reference = load_file(str(moe_reference.run_dir / "model.safetensors"))
+    assert weights["layers.0.feed_forward.experts.w1"].shape == (8, 64, 128)  # gathered whole
+    import torch
+
+    torch.testing.assert_close(weights, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides,world,key", [
+    (["parallel.ep=2"], 2, "parallel.ep"),  # a dense model has no experts
+    ([*MOE, "parallel.ep=3"], 3, "parallel.ep"),  # 8 experts
+    ([*MOE, "parallel.ep=4", "parallel.dp_shard=2", "parallel.pp=2"], 4, "parallel.ep"),  # ep > dp_shard
+    ([*MOE, "parallel.tp=2"], 2, "parallel.tp"),
+    ([*MOE, "model.moe.top_k=9"], 1, "model.moe.top_k"),
+    ([*MOE, "model.moe.router=topk"], 1, "model.moe.router"),
+    (["model.qk_norm=true", "parallel.tp=2"], 2, "parallel.tp"),
+])
+def test_validation_names_the_key(overrides, world, key):
+    cfg = compose(overrides)
+    with pytest.raises(ConfigError) as err:
+        check(cfg, world)
+    assert str(err.value).startswith(key) and "Fix:" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_reference):
+    """ep2 saves at step 4; ep4 resumes there and saves at 8; one process resumes from that: every
+    step after a resume and the final weights are those of the uninterrupted ep2 run."""
+    import torch
+
+    nproc, overrides = LAYOUTS["ep2-dp2-zero3"]
+    source = parity.run("moe-ep2-dp2-zero3", nproc, [*MOE, *overrides])  # the parity run, saving every 4
+    ep4 = launch(parity.root / "moe-resumed-ep4", [*FAST, *MOE, "parallel.ep=4", "checkpoint.every=4",
+                 f"checkpoint.resume={source.run_dir / 'checkpoints' / 'step_4'}"], nproc=4)
+    ep4.assert_finished(10)
+    single = launch(parity.root / "moe-resumed-single", [*FAST, *MOE, "train.save_model=true",
+                    f"checkpoint.resume={ep4.run_dir / 'checkpoints' / 'step_8'}"])
+    single.assert_finished(10)
+    assert [r["step"] for r in ep4.metrics] == list(range(5, 11)) and [r["step"] for r in single.metrics] == [9, 10]
+    by_step = {r["step"]: r for r in source.metrics}
+    for run in (ep4, single):
+        steps = [r["step"] for r in run.metrics]
+        assert relative_error(run.losses, [by_step[s]["loss"] for s in steps]) < 1e-5
+        assert relative_error([r["aux_loss"] for r in run.metrics], [by_step[s]["aux_loss"] for s in steps]) < 1e-5
+    torch.testing.assert_close(load_file(str(single.run_dir / "model.safetensors")),
+                               load_file(str(source.run_dir / "model.safetensors")), rtol=1e-5, atol=1e-5)
+
+
+def test_planner_counts_expert_traffic():
+    """ep2 x dp2, tiny_moe: per micro batch (4 per rank) and MoE block (4), 2x64 tokens x top 2 copies
+    of 128 float32 values, half of them to the other rank, 4 times (dispatch and combine, forward and
+    backward); FSDP leaves the experts out; an expert_dp group only when dp > ep."""
+    from parallel3d.planner import predict
+
+    cfg = compose([*FAST, *MOE, "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=2"])
+    check(cfg, 2)
+    comm = predict(cfg, 2).comm_bytes
+    assert comm["ep"] == {"all_to_all": 4 * 4 * 4 * (2 * 64 * 2 * 128 * 4) / 2}
+    assert "expert_dp" not in comm
+    dense_cfg = compose([*FAST, *MOE, "parallel.zero_stage=3", "train.micro_batch_size=2"])
+    check(dense_cfg, 2)
+    experts = 4 * 3 * 8 * 64 * 128  # MoE blocks x (w1 w2 w3) x experts x hidden x dim
+    gathered = predict(dense_cfg, 2).comm_bytes["dp_shard"]["all_gather"] - comm["dp_shard"]["all_gather"]
+    assert gathered == (4 + 4) * experts * 4 / 2  # ZeRO-3: gathered in forward and backward, 4 micro batches
+    wider = compose([*FAST, *MOE, "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=2"])
+    check(wider, 4)  # dp4: the experts' gradients averaged over 2 ranks once per step (float32)
+    assert predict(wider, 4).comm_bytes["expert_dp"] == {"all_reduce": 2 * (experts // 2 * 4) / 2}
+
+
+def test_dry_run_sends_the_planned_all_to_all_bytes():
+    """The dry run (fake tensors: routing taken balanced, as the planner takes it) through ep2 x pp2:
+    the all-to-all bytes rank 0 sends are the planner's plus the routing counts' exchange (8 experts
+    x int64 per MoE block and micro batch, forward only, half of it to the other rank)."""
+    from parallel3d.dryrun import dry_run
+    from parallel3d.planner import predict
+
+    overrides = [*FAST, *MOE, "parallel.ep=2", "parallel.pp=2", "run_dir=/nonexistent"]
+    [report] = dry_run(overrides, 4, [0])
+    cfg = compose(overrides)
+    check(cfg, 4)
+    planned = predict(cfg, 4).comm_bytes["ep"]["all_to_all"]
+    counts_exchange = 2 * 4 * (8 * 8) / 2  # MoE blocks on stage 0 x micro batches x bytes / 2
+    assert report.comm["ep"]["all_to_all"].sent_bytes == planned + counts_exchange
