@@ -23,10 +23,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel3d.data import BatchSpec, StepSampler
-from parallel3d.data.documents import document_inputs
-from parallel3d.parallel.data import uses_autocast
 from parallel3d.parallel.pipeline import stage_ids
-from parallel3d.validate import DTYPES
+from parallel3d.setup import Setup, autocast_context, rank_batch
 
 
 class Evaluator:
@@ -40,51 +38,51 @@ class Evaluator:
         return step == self.last_step or bool(self.every and step % self.every == 0)
 
     @torch.no_grad()
-    def evaluate(self, c, meshes, device: torch.device, model, pipeline, loss_fn) -> dict[str, float]:
+    def evaluate(self, setup: Setup) -> dict[str, float]:
         """``val_loss`` (mean token cross entropy over the eval batches) and ``val_perplexity``,
-        the same on every rank. ``loss_fn`` is training's: a sum over a micro batch divided by
-        the tokens of this rank's share of a global batch."""
-        total = torch.zeros((), device=device)
+        the same on every rank. The loss is training's: a sum over a micro batch divided by the
+        tokens of this rank's share of a global batch."""
+        meshes = setup.meshes
+        total = torch.zeros((), device=setup.device)
         for batch in range(1, self.batches + 1):
-            total += _batch_loss(c, meshes, device, model, pipeline, self.sampler.micro_batches(batch), loss_fn)
+            total += _batch_loss(setup, self.sampler.micro_batches(batch))
         if meshes.pp is not None:  # only the last stage computed a loss
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
-        if meshes.dp is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=meshes.dp.get_group())
+        if meshes.dp_cp is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=meshes.dp_cp.get_group())
         val_loss = total.item() / self.batches
         return {"val_loss": val_loss, "val_perplexity": math.exp(val_loss)}
 
 
-def _batch_loss(c, meshes, device, model, pipeline, micro_batches, loss_fn) -> torch.Tensor:
-    """This rank's loss on its share of one global batch (forward only; the caller disables grad)."""
-    dp = 1 if meshes.dp is None else meshes.dp.size()
-    autocast = (torch.autocast(device.type, dtype=DTYPES[c.train.param_dtype])
-                if uses_autocast(dp, c.train.param_dtype) else contextlib.nullcontext())
-    vocab_parallel = loss_parallel if meshes.tp is not None else contextlib.nullcontext
-    loss_sum = torch.zeros((), device=device)
+def _batch_loss(s: Setup, micro_batches) -> torch.Tensor:
+    """This rank's loss on its share of one global batch (forward only; the caller disables grad).
+    Each micro batch is prepared as training prepares it (``setup.rank_batch``: device, document
+    inputs, the context-parallel share)."""
+    vocab_parallel = loss_parallel if s.meshes.tp is not None else contextlib.nullcontext
+    loss_sum = torch.zeros((), device=s.device)
+    pipeline, schedule = s.pipeline, s.config.parallel.pp_schedule
     if pipeline is None:
         for inputs, targets in micro_batches:
-            inputs, targets = inputs.to(device), targets.to(device)
-            with vocab_parallel(), autocast:
-                loss_sum += _local(loss_fn(model(inputs, **document_inputs(inputs, c.data)), targets))
+            inputs, targets, extra = rank_batch(s, inputs, targets)
+            with vocab_parallel(), autocast_context(s):
+                loss_sum += _local(s.loss_fn(s.model(inputs, **extra), targets))
         return loss_sum
-    if c.parallel.pp_schedule in NO_TORCH_EVAL:
-        owners = stage_owners(c.parallel.pp_schedule, meshes.pp.size(), len(pipeline.stages))
+    if schedule in NO_TORCH_EVAL:
+        owners = stage_owners(schedule, s.meshes.pp.size(), len(pipeline.stages))
         for inputs, targets in micro_batches:
-            inputs, targets = inputs.to(device), targets.to(device)
-            with vocab_parallel(), autocast:
-                logits = _forward_through_stages(pipeline, owners, meshes.pp, inputs, document_inputs(inputs, c.data))
+            inputs, targets, extra = rank_batch(s, inputs, targets)
+            with vocab_parallel(), autocast_context(s):
+                logits = _forward_through_stages(pipeline, owners, s.meshes.pp, inputs, extra)
                 if logits is not None:  # this rank holds the last stage
-                    loss_sum += _local(loss_fn(logits, targets))
+                    loss_sum += _local(s.loss_fn(logits, targets))
         return loss_sum
     for k in range(0, len(micro_batches), pipeline.microbatches):  # as many per schedule call as training
         chunk = micro_batches[k : k + pipeline.microbatches]
-        inputs = torch.cat([x for x, _ in chunk]).to(device)
-        targets = torch.cat([y for _, y in chunk]).to(device)
+        inputs, targets, extra = rank_batch(s, torch.cat([x for x, _ in chunk]), torch.cat([y for _, y in chunk]))
         losses: list[torch.Tensor] = []  # filled on the rank holding the last stage only
-        with vocab_parallel(), autocast:
+        with vocab_parallel(), autocast_context(s):
             pipeline.schedule.eval(*([inputs] if pipeline.has_first_stage else []), target=targets, losses=losses,
-                                   **document_inputs(inputs, c.data))
+                                   **extra)
         for loss in losses:
             loss_sum += _local(loss)
     return loss_sum

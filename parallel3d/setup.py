@@ -127,7 +127,7 @@ def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor,
         if s.pipeline is None:
             losses = _forward_backward(s, micro_batches)
         else:  # the schedule runs backward inside step(): autocast spans both
-            with _autocast(s):
+            with autocast_context(s):
                 losses = s.pipeline.forward_backward(micro_batches, lambda x, y: rank_batch(s, x, y))
     loss_sum = torch.zeros((), device=s.device)
     for loss in losses:
@@ -154,7 +154,7 @@ def rank_batch(s: Setup, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[t
     return inputs, targets, dict(zip(extra, values))
 
 
-def _autocast(s: Setup) -> contextlib.AbstractContextManager:
+def autocast_context(s: Setup) -> contextlib.AbstractContextManager:
     """The bf16/fp16 compute context where the layout casts per op (``parallel.data.uses_autocast``)."""
     dtype = s.config.train.param_dtype
     if uses_autocast(s.dims.dp * s.dims.cp, dtype):
@@ -169,7 +169,7 @@ def _forward_backward(s: Setup, micro_batches: MicroBatches) -> list[torch.Tenso
         if s.meshes.dp_cp is not None:  # the data-parallel wrapper reduces on the last micro batch only
             set_gradient_sync(s.model, i == len(micro_batches) - 1, s.config.parallel.zero_stage)
         inputs, targets, extra = rank_batch(s, inputs, targets)
-        with _autocast(s):
+        with autocast_context(s):
             loss = s.loss_fn(s.model(inputs, **extra), targets)
         loss.backward()
         losses.append(loss.detach())

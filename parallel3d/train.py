@@ -178,7 +178,7 @@ class TrainLoop:
         if self.evaluator is None or not self.evaluator.due(step):
             return
         start, s = time.perf_counter(), self.setup
-        self.evaluation = self.evaluator.evaluate(s.config, s.meshes, s.device, s.model, s.pipeline, s.loss_fn)
+        self.evaluation = self.evaluator.evaluate(s)
         self.meter.since += time.perf_counter() - start  # step time and throughput count training only
 
     def log_metrics(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:

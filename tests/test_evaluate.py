@@ -63,6 +63,10 @@ LAYOUTS = {  # name: (ranks, overrides)
     "pp2-1F1B": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B"]),
     "pp2-Interleaved1F1B": (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"]),
     "pp2-ZBVZeroBubble": (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"]),
+    # Context parallelism: document ids and positions are read off whole sequences, then cut to
+    # each cp rank's head-tail share; each method applies the mask across the ranks.
+    "cp2-ring": (2, ["parallel.cp=2", "parallel.cp_method=ring"]),
+    "cp2-tp2-pp2-alltoall": (8, ["parallel.cp=2", "parallel.cp_method=alltoall", "parallel.tp=2", "parallel.pp=2"]),
 }
 
 
