@@ -84,12 +84,24 @@ def _model_targets(state: TrainState, rename=lambda name: name) -> tuple[dict, l
 
 
 def _optimizer_entries(state: TrainState):
-    """(key, state tensor) for each tensor of the optimizer state, keyed by its parameter's name."""
+    """(key, state tensor) for each tensor of the optimizer state, keyed by its parameter's name
+    (found by identity: the optimizer's groups, decay and no decay, order parameters otherwise)."""
+    name_of = {id(p): name for name, p in state.named_parameters()}
     optimizer_params = [q for group in state.optimizer.param_groups for q in group["params"]]
-    for (name, _), q in zip(state.named_parameters(), optimizer_params, strict=True):
+    assert len(optimizer_params) == len(name_of), "the optimizer must hold exactly the parts' parameters"
+    for q in optimizer_params:
+        name = name_of[id(q)]
         for key, value in state.optimizer.state.get(q, {}).items():
             if isinstance(value, torch.Tensor):
                 yield f"optimizer/{name}/{key}", value
+
+
+def _one_lr_per_group(scheduler, groups: int) -> None:
+    """A schedule saved by a rank with another number of parameter groups (a pipeline stage without
+    norms has no no-decay group): every group follows the one lr, so repeat it for each."""
+    if len(scheduler.base_lrs) != groups:
+        scheduler.base_lrs = [scheduler.base_lrs[0]] * groups
+        scheduler._last_lr = [scheduler._last_lr[0]] * groups
 
 
 def state_dict(state: TrainState) -> dict[str, torch.Tensor]:
@@ -203,6 +215,7 @@ class Checkpointer:
         _finish_load(copies)
         if state.scheduler is not None and not meta["model_only"]:
             state.scheduler.load_state_dict(meta["scheduler"])
+            _one_lr_per_group(state.scheduler, len(state.optimizer.param_groups))
             for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr()):
                 group["lr"] = lr
         rng_file = path / "rng" / f"rank_{self.rank}.safetensors"
