@@ -92,9 +92,13 @@ def _model_targets(state: TrainState, keys=lambda name, param: {name: param}) ->
 
 
 def _optimizer_entries(state: TrainState):
-    """(key, state tensor) for each tensor of the optimizer state, keyed by its parameter's name."""
+    """(key, state tensor) for each tensor of the optimizer state, keyed by its parameter's name
+    (found by identity: the optimizer's groups, decay and no decay, order parameters otherwise)."""
+    name_of = {id(p): name for name, p in state.named_parameters()}
     optimizer_params = [q for group in state.optimizer.param_groups for q in group["params"]]
-    for (name, _), q in zip(state.named_parameters(), optimizer_params, strict=True):
+    assert len(optimizer_params) == len(name_of), "the optimizer must hold exactly the parts' parameters"
+    for q in optimizer_params:
+        name = name_of[id(q)]
         for key, value in state.optimizer.state.get(q, {}).items():
             if isinstance(value, torch.Tensor):
                 yield f"optimizer/{name}/{key}", value

@@ -255,3 +255,19 @@ def test_resume_takes_a_step_folder_a_checkpoints_folder_or_a_run_dir(tmp_path):
     assert _checkpointer(tmp_path / "run", resume="none").resume_from() is None
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         _checkpointer(tmp_path / "other", resume=str(tmp_path / "missing")).resume_from()
+
+
+def test_optimizer_state_is_named_by_parameter_whatever_the_group_order():
+    """AdamW's no-decay group (the norms) comes after the decay group, unlike the model's order:
+    each saved moment must still carry its own parameter's name and shape."""
+    from parallel3d.checkpoint import state_dict
+    from parallel3d.optim import build_optimizer, init_optimizer_state
+
+    model = Transformer(ModelConfig(n_layers=2))
+    optimizer = build_optimizer(model, OptimConfig())
+    assert len(optimizer.param_groups) == 2
+    init_optimizer_state(optimizer)
+    saved = state_dict(TrainState([model], optimizer))
+    for name, p in model.named_parameters():
+        assert saved[f"optimizer/{name}/exp_avg"].shape == p.shape
+        assert saved[f"optimizer/{name}/exp_avg"] is optimizer.state[p]["exp_avg"]
