@@ -36,6 +36,7 @@ from parallel3d.models import Transformer, flops_per_token, num_params
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
 from parallel3d.parallel import parallelize
 from parallel3d.parallel.data import set_gradient_sync, uses_autocast
+from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts, build_schedule, num_stages
 from parallel3d.progress import Progress
 from parallel3d.validate import DTYPES, ConfigError, check, resolve_device, world_size_from_env
@@ -290,6 +291,8 @@ def train_step(c: Config, meshes, device: torch.device, model, pipeline, tied, o
     grad_norm = clip_grad_norm_(params, c.train.grad_clip, pp_group=meshes.pp.get_group() if meshes.pp else None,
                                 uncounted=tied.output_copies if tied else ())
     optimizer.step()
+    if c.train.float8_fsdp_all_gather:  # the next all-gathers' float8 scales, in one all-reduce
+        precompute_float8_scales([model])
     scheduler.step()
     return loss_sum, grad_norm
 
