@@ -175,6 +175,7 @@ LAYOUTS = {
     "float8-zero3": (2, [*FLOAT8, "parallel.zero_stage=3", "train.float8_fsdp_all_gather=true",
                          "train.micro_batch_size=8"]),
     "float8-tp2": (2, [*FLOAT8, "parallel.tp=2", "train.micro_batch_size=16"]),
+    "float8-pp2": (2, [*FLOAT8, "parallel.pp=2", "train.micro_batch_size=2"]),  # each stage converts its blocks
 }
 
 
