@@ -69,7 +69,7 @@ def flop_counts(model, seq_len: int) -> dict[str, float]:
     return {"6N + attention": full, "6N + causal half": full - attention / 2}
 
 
-def float8_layers(overrides: list[str]) -> str:
+def float8_layers(overrides: list[str], device_type: str) -> str:
     """How many of the model's linears the float8 loops convert (torchao's filter, head skipped)."""
     from parallel3d.models import Transformer
     from parallel3d.parallel.float8 import apply_float8
@@ -82,7 +82,7 @@ def float8_layers(overrides: list[str]) -> str:
     for recipe in FLOAT8:
         cfg = compose([*overrides, *recipe, "run_dir=unused"])
         with torch.device("meta"):
-            counts.append(len(apply_float8(Transformer(OmegaConf.to_object(cfg.model)), cfg.train, "cuda")))
+            counts.append(len(apply_float8(Transformer(OmegaConf.to_object(cfg.model)), cfg.train, device_type)))
     return f"float8 converts {counts[0]} (tensorwise) and {counts[1]} (rowwise) of {linears} linears"
 
 
@@ -131,7 +131,7 @@ def report(case: str, overrides: list[str], tmp: Path, loops: list[str]) -> list
     gaps = ", ".join(f"{what} {loss_gap(a, b):.1e}" for what, a, b in GAPS if a in results and b in results)
     rows = [f"**{CASES[case][0]}**: {t.global_batch_size // t.micro_batch_size} micro batches of "
             f"{t.micro_batch_size} x {t.seq_len} tokens a step, GFLOP per token {per_token}; planner peak "
-            f"{planned / GiB:.2f} GiB; {float8_layers(overrides)}. Largest relative loss difference from "
+            f"{planned / GiB:.2f} GiB; {float8_layers(overrides, device.type)}. Largest relative loss difference from "
             f"parallel3d (bf16, eager or compiled as the loop): {gaps}.\n",
             "| loop | step s | tokens/s | MFU (6N + attention) | MFU (causal half) | peak GiB | planner vs peak |",
             "|---|---|---|---|---|---|---|"]
