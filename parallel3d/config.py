@@ -122,6 +122,10 @@ class TrainConfig:
     reduce_dtype: str = "float32"  # dtype of gradient reduction across data-parallel ranks
     dist_timeout_s: int = 300  # a collective that waits longer fails instead of hanging
     save_model: bool = False  # write run_dir/model.safetensors (full weights) at the end
+    # Float8 matmuls through torchao (docs/float8.md): none | tensorwise | rowwise. Emulated on the CPU.
+    float8: str = "none"
+    float8_skip_small: bool = True  # skip linears torchao's H100 tables say lose in float8 (false: all but the head)
+    float8_fsdp_all_gather: bool = False  # FSDP all-gathers weights in float8 (tensorwise; scales precomputed)
 
 
 @dataclass

@@ -169,7 +169,7 @@ class TrainLoop:
         self.moe_stats = moe_statistics(s.parts, s.config.model, s.spec.num_micro_batches,
                                         dist.get_world_size() if dist.is_initialized() else 1, s.dims.dp, s.device)
         self.meter.stepped(waited)  # measures the model state while the gradients still exist
-        self.setup.model.zero_grad(set_to_none=True)
+        self.setup.optimizer.zero_grad(set_to_none=True)  # every trainable parameter, without walking the modules
         return loss_sum, grad_norm
 
     def evaluate(self, step: int, *_) -> None:

@@ -71,6 +71,7 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
     _check_experts(cfg.model, cfg.parallel)
     _check_data_parallel(cfg.parallel, cfg.train, device)
+    check_float8(cfg.train, cfg.parallel)
     _check_batch(cfg.train, cfg.parallel, cfg.model)
     _check_pipeline(cfg.parallel, cfg.train, cfg.model)
     _check_context(cfg.parallel, cfg.train, cfg.model)
@@ -238,6 +239,29 @@ def _check_data_parallel(p, t, device: str | None) -> None:
         if resolve_device(t.device, device) == "cpu":
             raise ConfigError("parallel.cpu_offload", True, "FSDP's CPU offload needs an accelerator and this "
                               "run trains on the CPU already", "set parallel.cpu_offload=false, or train on a GPU")
+
+
+def check_float8(t, p) -> None:
+    from parallel3d.parallel.float8 import RECIPES, torchao_available
+
+    if t.float8 not in RECIPES:
+        raise ConfigError("train.float8", t.float8, "unknown float8 recipe", f"use one of {', '.join(RECIPES)}")
+    if t.float8 == "none":
+        if t.float8_fsdp_all_gather:
+            raise ConfigError("train.float8_fsdp_all_gather", True, "train.float8=none converts no layer to "
+                              "float8", "set train.float8=tensorwise, or train.float8_fsdp_all_gather=false")
+        return
+    if not torchao_available():
+        raise ConfigError("train.float8", t.float8, "float8 training needs torchao, which is not installed",
+                          "pip install 'parallel3d[float8]' (torchao), or set train.float8=none")
+    if t.float8_fsdp_all_gather and t.float8 != "tensorwise":
+        raise ConfigError("train.float8_fsdp_all_gather", True, f"torchao all-gathers float8 weights with one "
+                          f"scale per tensor only, and train.float8={t.float8}",
+                          "set train.float8=tensorwise, or train.float8_fsdp_all_gather=false")
+    if t.float8_fsdp_all_gather and (p.zero_stage == 0 or p.dp_replicate * p.dp_shard == 1):
+        raise ConfigError("train.float8_fsdp_all_gather", True, "no FSDP all-gather here (no data parallelism, "
+                          "or parallel.zero_stage=0)", "set train.float8_fsdp_all_gather=false, or shard "
+                          "with parallel.zero_stage 1-3 over several data-parallel ranks")
 
 
 def _check_pipeline(p, t, m) -> None:

@@ -14,6 +14,7 @@ import bench_comm  # noqa: E402
 import bench_gpu  # noqa: E402
 import bench_optimizer  # noqa: E402
 import bench_overhead  # noqa: E402
+from parallel3d.config import compose  # noqa: E402
 
 SMALL = ["train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "logging.log_every=2"]
 
@@ -69,11 +70,16 @@ def test_bench_optimizer_times_implementations_that_agree(capsys, monkeypatch):
 
 def test_bench_gpu_runs_its_loops_and_the_plain_ones_train_alike(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    bf16 = [loop for loop in bench_gpu.LOOPS if "float8" not in loop]  # float8 compiled on the CPU: too slow here
     assert bench_gpu.main(["--case", "1b", "--steps", "2", "--log-every", "1", "train.device=cpu", "model=tiny",
-                           "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4"]) == 0
+                           "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
+                           "train.float8_skip_small=false", *(f"--loop={loop}" for loop in bf16)]) == 0
     out = capsys.readouterr().out
-    eager, compiled = (float(v) for v in re.search(r"plain (\S+) \(eager\), (\S+) \(compiled\)", out).groups())
+    eager, compiled = (float(v) for v in re.search(r"plain, eager (\S+), plain, compiled (\S+)\.", out).groups())
     assert eager <= 1e-5 and compiled <= 1e-3  # same kernels eager; compiled graphs fuse differently
+    assert "float8 converts 28 (tensorwise) and 28 (rowwise) of 29 linears" in out  # all but the head
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "loop" not in line]
-    assert [r[0].lstrip("| ") for r in rows] == list(bench_gpu.LOOPS)
+    assert [r[0].lstrip("| ") for r in rows] == bf16
     assert all(float(r[2].replace(",", "")) > 0 for r in rows)  # tokens/s
+    tiny = bench_gpu.flop_counts(compose(["model=tiny"]).model, 32)  # 6N + attention, and its causal half
+    assert tiny["6N + attention"] - tiny["6N + causal half"] == 6 * 4 * 128 * 32

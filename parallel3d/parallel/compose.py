@@ -1,7 +1,11 @@
 """parallelize(): the one function that states how the parallelisms compose on a model.
 
 Order, applied to the model while it is still on the meta device:
-    tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> data parallel
+    float8 -> tensor parallel -> context parallel -> expert parallel -> activation checkpointing
+    -> torch.compile -> data parallel
+Float8 goes first: it swaps module classes, which the tensor-parallel plans (float8 styles for
+float8 layers), compile (the casts fuse into the blocks' kernels) and FSDP (float8 all-gather of
+the weights) must all see.
 Data parallelism goes last because FSDP must see the final (tensor-parallel, checkpointed,
 compiled) blocks it shards: FSDP on top of tensor parallelism shards the tp-local DTensors
 over the data-parallel mesh dims, giving 2D (or, with HSDP, 3D) parameters.
@@ -19,6 +23,7 @@ from parallel3d.parallel.activation import apply_activation_checkpointing, compi
 from parallel3d.parallel.context import apply_context_parallel
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.expert import apply_expert_parallel
+from parallel3d.parallel.float8 import Float8Plan, apply_float8
 from parallel3d.parallel.tensor import apply_tensor_parallel
 
 
@@ -37,6 +42,7 @@ class ParallelPlan:
     data: DataParallelPlan
     sequence_parallel: bool = True
     cp_method: str = "alltoall"  # parallel.cp_method: how attention crosses the cp ranks
+    float8: Float8Plan = Float8Plan()
     activation: ActivationPlan = ActivationPlan()
     compile: bool = False  # torch.compile each transformer block
 
@@ -45,8 +51,8 @@ class ParallelPlan:
         """From a validated config (the key names users know: model.activation_checkpoint ...)."""
         m = c.model
         return cls(data=data_parallel_plan(c.parallel, c.train), sequence_parallel=c.parallel.sequence_parallel,
-                   cp_method=c.parallel.cp_method, activation=ActivationPlan(m.activation_checkpoint, m.activation_checkpoint_every),
-                   compile=m.compile)
+                   cp_method=c.parallel.cp_method, float8=Float8Plan.from_config(c.train),
+                   activation=ActivationPlan(m.activation_checkpoint, m.activation_checkpoint_every), compile=m.compile)
 
 
 def data_parallel_plan(parallel, train) -> DataParallelPlan:
@@ -65,8 +71,12 @@ def data_parallel_plan(parallel, train) -> DataParallelPlan:
 def parallelize(model: nn.Module, meshes: Meshes, plan: ParallelPlan) -> None:
     """Apply every parallelism of ``plan`` to ``model`` (the whole model, or one pipeline stage)
     in place, in the order above."""
+    float8_layers = apply_float8(model, plan.float8)
     if meshes.tp is not None:
-        apply_tensor_parallel(model, meshes.tp, plan.sequence_parallel)
+        # Float8 TP styles send float8 activations, a dtype gloo cannot carry ("Invalid scalar
+        # type"): on the CPU the float8 layers compute in float8 between bf16/fp32 collectives.
+        float8_tp = bool(float8_layers) and plan.float8.device == "cuda"
+        apply_tensor_parallel(model, meshes.tp, plan.sequence_parallel, float8=float8_tp)
     if meshes.cp is not None:
         apply_context_parallel(model, meshes.cp, plan.cp_method)
     experts = apply_expert_parallel(model, meshes.ep) if meshes.ep is not None else set()

@@ -42,6 +42,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from parallel3d.parallel.float8 import float8_block_plan
+
 
 class ReplicateParallel(ParallelStyle):
     """A module every tp rank computes whole, on a replicated input (a norm without sequence
@@ -144,8 +146,10 @@ def outer_plan(sequence_parallel: bool, tied: bool) -> dict:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard ``model``'s blocks (those this pipeline stage holds) and outer layers over ``tp_mesh``."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          float8: bool = False) -> None:
+    """Shard ``model``'s blocks (those this pipeline stage holds) and outer layers over ``tp_mesh``;
+    ``float8``: the blocks hold float8 layers (parallel/float8.py), which take float8 styles."""
     tied = model.cfg.tie_embeddings
     present = {name for name, _ in model.named_children()}  # a pipeline stage lacks some (set to None)
     outer = {k: v for k, v in outer_plan(sequence_parallel, tied).items() if k in present}
@@ -159,4 +163,5 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             output_layouts=residual_layout(sequence_parallel), desired_output_layouts=Replicate(),
             use_local_output=False))
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        plan = block_plan(sequence_parallel)
+        parallelize_module(block, tp_mesh, float8_block_plan(block, plan) if float8 else plan)
