@@ -47,7 +47,7 @@ from bench_common import heading, torch_threads
 from parallel3d.config import compose
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.models import Transformer
-from parallel3d.optim import build_lr_scheduler
+from parallel3d.optim import build_lr_scheduler, decay_groups
 from parallel3d.train import train
 from parallel3d.validate import DTYPES
 
@@ -86,8 +86,9 @@ def plain_records(overrides: list[str]) -> list[dict]:
     model.init_weights(t.seed)
     autocast = (torch.autocast(device.type, dtype=DTYPES[t.param_dtype]) if t.param_dtype != "float32"
                 else contextlib.nullcontext())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=c.optim.lr, betas=(c.optim.beta1, c.optim.beta2),
-                                  eps=c.optim.eps, weight_decay=c.optim.weight_decay, fused=True)  # as ours
+    # Norms and biases without weight decay, as nanoGPT does and as optim.no_decay says.
+    optimizer = torch.optim.AdamW(decay_groups(model, c.optim.weight_decay, c.optim.no_decay), lr=c.optim.lr,
+                                  betas=(c.optim.beta1, c.optim.beta2), eps=c.optim.eps, fused=True)  # as ours
     scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
     sampler = StepSampler(open_corpus(c.data).tokens, BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len),
                           t.seed)
