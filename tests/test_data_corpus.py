@@ -1,7 +1,8 @@
 """Training on a mixture of jsonl + parquet + a saved dataset, end to end through train.py.
 
-One process, dp2 and pp2 x tp2 train to the same losses (rel 1e-5); the ranks of each job
-split the tokenization; a run resumed from the dp2 run's step 5 in one process (another layout
+With document masking and held-out evaluation (eval.fraction of the documents, every 5 steps),
+one process, dp2 and pp2 x tp2 train to the same losses and val_loss (rel 1e-5); the ranks of
+each job split the tokenization; a run resumed from the dp2 run's step 5 in one process (another layout
 and dp degree) continues with the same tokens and losses. Launched with conftest's launch()
 rather than Parity.run: these runs compare with each other, not with the stdlib reference.
 """
@@ -25,6 +26,7 @@ class MixtureRuns:
     def run(self, name: str, nproc: int, overrides: list[str], steps_from: int = 1):
         if name not in self.runs:
             args = [*FAST, f"data.sources=[{','.join(self.sources)}]", "data.weights=[2,1,1]", "eval.fraction=0.1",
+                    "eval.every=5", "data.document_masking=true",
                     f"data.cache_dir={self.root / ('cache-' + name)}", *overrides]
             run = launch(self.root / name, args, nproc=nproc)
             run.assert_finished(10)
@@ -42,6 +44,10 @@ def mixture(runs_root) -> MixtureRuns:
     return MixtureRuns(runs_root / "mixture")
 
 
+def val_losses(run) -> list[float]:
+    return [r["val_loss"] for r in run.metrics if "val_loss" in r]
+
+
 def single(mixture):
     return mixture.run("single", 1, ["train.micro_batch_size=16"])
 
@@ -55,12 +61,14 @@ def test_one_process_reports_tokens_per_source_and_data_wait(mixture):
     last = run.metrics[-1]
     assert last["tokens/web"] > max(last["tokens/books"], last["tokens/wiki"])  # weight 2 against 1 and 1
     assert mixture.tokenized_by("single") == {"rank 0"}
+    assert [r["step"] for r in run.metrics if "val_loss" in r] == [5, 10]
 
 
 def test_dp2_trains_the_same_and_its_ranks_split_tokenization(mixture):
     run = mixture.run("dp2", 2, ["checkpoint.every=5"])
     reference = single(mixture)
     assert relative_error(run.losses, reference.losses) < 1e-5, (run.losses, reference.losses)
+    assert relative_error(val_losses(run), val_losses(reference)) < 1e-5
     assert [r["tokens/wiki"] for r in run.metrics] == [r["tokens/wiki"] for r in reference.metrics]
     assert mixture.tokenized_by("dp2") == {"rank 0", "rank 1"}
 
@@ -68,6 +76,7 @@ def test_dp2_trains_the_same_and_its_ranks_split_tokenization(mixture):
 def test_pp2_tp2_trains_the_same(mixture):
     run = mixture.run("pp2-tp2", 4, ["parallel.pp=2", "parallel.tp=2"])
     assert relative_error(run.losses, single(mixture).losses) < 1e-5
+    assert relative_error(val_losses(run), val_losses(single(mixture))) < 1e-5
     assert mixture.tokenized_by("pp2-tp2") == {"rank 0", "rank 1", "rank 2", "rank 3"}  # five shards, four ranks
 
 
