@@ -36,3 +36,13 @@ def test_a_wheel_trains_from_another_directory(tmp_path):
                          capture_output=True, text=True, cwd=elsewhere, env=environ, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len((elsewhere / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_every_subpackage_is_listed_for_the_wheel():
+    """pyproject.toml lists the packages by hand (find cannot add the mapped conf/ and recipes/):
+    a subpackage missing there would be missing from every wheel, silently."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "parallel3d").rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
