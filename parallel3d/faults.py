@@ -177,11 +177,10 @@ class StopSignals:
         return bool(flag.item())
 
 
-def check_corpus(corpus, vocab_size: int, seq_len: int, data_cfg) -> None:
-    """Refuse token data the model cannot train on, naming the file: too few tokens for one
-    sequence, or ids from a vocabulary larger than model.vocab_size (an embedding lookup out of
-    range, or on a GPU a device-side assert, many steps later). ``corpus``: a TokenFile, or the
-    data.Corpus of several sources (whose files validation has already checked for vocabulary)."""
+def check_corpus(corpus, seq_len: int, data_cfg) -> None:
+    """Refuse token data too short for one sequence, naming the file. ``corpus``: a TokenFile, or
+    the data.Corpus of several sources. (A vocabulary larger than the model's is refused before any
+    process group, by validation: parallel3d/data/checks.py.)"""
     where = getattr(corpus, "path", None) or data_cfg.path or ", ".join(getattr(data_cfg, "sources", None) or [])
     sources = getattr(corpus, "sources", None)
     size = len(corpus) if sources is None else sum(len(a) for s in sources for a in s.arrays)
@@ -189,11 +188,6 @@ def check_corpus(corpus, vocab_size: int, seq_len: int, data_cfg) -> None:
         raise RunError(f"{where or 'the corpus'} holds {size} tokens, fewer than one sequence of "
                        f"train.seq_len={seq_len} needs ({seq_len + 1}). Fix: prepare more data "
                        f"(tools/prepare_data.py) or lower train.seq_len")
-    data_vocab = getattr(corpus, "meta", {}).get("vocab_size")
-    if data_vocab is not None and data_vocab > vocab_size:
-        raise RunError(f"{where} was tokenized with a vocabulary of {data_vocab}, larger than "
-                       f"model.vocab_size={vocab_size}. Fix: set model.vocab_size={data_vocab} (or more), or "
-                       f"tokenize with the model's tokenizer")
 
 
 class SweepFailures:

@@ -93,7 +93,7 @@ def train(cfg: DictConfig) -> Path:
     # Ranks split the tokenization of data.sources (or rank 0 builds the default corpus), then wait.
     workers = Workers(rank(), world_size, dist.barrier if dist.is_initialized() else None)
     corpus, sampler = build_train_data(c.data, c.eval, setup.spec, c.train.seed, data_offset, workers)
-    check_corpus(corpus, c.model.vocab_size, c.train.seq_len, c.data)
+    check_corpus(corpus, c.train.seq_len, c.data)
     held_out = open_eval_corpus(c.data, c.eval, workers)
     evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),

@@ -107,7 +107,12 @@ def test_vocabulary_larger_than_the_model_names_the_token_file(tmp_path):
 
     path = write_token_file(["hello world " * 400], WideTokenizer(), tmp_path / "data" / "wide.bin")
     run = launch(tmp_path / "run", [*FAST, "data.source=file", f"data.path={path}"])
-    assert_one_line_error(run, str(path), "vocabulary of 1000", "model.vocab_size=1000")
+    # Refused by validation, before any process group: a config error naming the key and the file.
+    assert run.returncode == 2, run.stderr[-2000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("parallel3d: config error")]
+    assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    for needle in (f"data.path={path}", "vocabulary of 1000", "model.vocab_size >= 1000"):
+        assert needle in lines[0], lines[0]
 
 
 def test_an_unwritable_run_dir_is_one_line(tmp_path):
@@ -277,7 +282,7 @@ def test_empty_or_truncated_token_data_is_named(tmp_path):
 
     path = write_token_file(["tiny"], ByteTokenizer(), tmp_path / "tiny.bin")
     with pytest.raises(RunError, match=f"{path} holds 5 tokens, fewer than one sequence of train.seq_len=64"):
-        check_corpus(TokenFile(path), 512, 64, SimpleNamespace(path=str(path)))
+        check_corpus(TokenFile(path), 64, SimpleNamespace(path=str(path)))
     path.write_bytes(path.read_bytes()[:-2])
     with pytest.raises(RunError, match=f"{path} is 8 bytes but tiny.json says 10"):
         TokenFile(path)
