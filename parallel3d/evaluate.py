@@ -19,6 +19,7 @@ import math
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -46,6 +47,7 @@ class Evaluator:
         total = torch.zeros((), device=setup.device)
         for batch in range(1, self.batches + 1):
             total += _batch_loss(setup, self.sampler.micro_batches(batch))
+        _reshard(setup.model)
         if meshes.pp is not None:  # only the last stage computed a loss
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
         if meshes.dp_cp is not None:
@@ -86,6 +88,15 @@ def _batch_loss(s: Setup, micro_batches) -> torch.Tensor:
         for loss in losses:
             loss_sum += _local(loss)
     return loss_sum
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Put FSDP's sharded parameters back: a forward without backward leaves the root (and, with
+    reshard_after_forward=False, every unit) holding its unsharded parameters, which are then the
+    modules' registered parameters, not the optimizer's (a checkpoint saved next would miss them)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _local(loss: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,8 @@ def _check_known_keys(cfg) -> None:
     from parallel3d.config import Config
     from parallel3d.strictconfig import closest_key, unknown_keys
 
+    if not OmegaConf.is_config(cfg):  # a Config dataclass (the planner's callers): no key can be unknown
+        return
     tree = OmegaConf.to_container(cfg, resolve=False)
     for key in unknown_keys({k: v for k, v in tree.items() if k != "hydra"}, Config):
         near = closest_key(key, Config)
