@@ -25,6 +25,8 @@ from parallel3d.data.tokenizer import load_tokenizer
 from parallel3d.optim import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
 from parallel3d.optim import LR_SCHEDULES
 from parallel3d.parallel.activation import AC_MODES
+from parallel3d.parallel.expert import check_experts
+from parallel3d.parallel.float8 import check_float8
 from parallel3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from parallel3d.parallel.pipeline import V_SCHEDULES, is_single_stage, layer_split, stages_per_rank
 
@@ -69,7 +71,7 @@ def check(cfg, world_size: int, device: str | None = None):
     cfg = resolve(cfg, world_size)
     _check_degrees(cfg.parallel, world_size)
     _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
-    _check_experts(cfg.model, cfg.parallel)
+    check_experts(cfg.model, cfg.parallel)
     _check_data_parallel(cfg.parallel, cfg.train, device)
     check_float8(cfg.train, cfg.parallel)
     _check_batch(cfg.train, cfg.parallel, cfg.model)
@@ -176,39 +178,6 @@ def _check_model(m, tp: int, pp: int) -> None:
                               f"and it is not divisible", f"choose parallel.tp from {ok}")
 
 
-def _check_experts(m, p) -> None:
-    """model.moe.* and parallel.ep (parallel3d/models/moe.py, parallel3d/parallel/expert.py)."""
-    moe = m.moe
-    if m.qk_norm and p.tp > 1:
-        raise ConfigError("parallel.tp", p.tp, "model.qk_norm is not tensor-parallel yet (its weights would "
-                          "need the gradients of every tp rank's heads)", "use parallel.tp=1 with qk_norm")
-    if moe.num_experts < 0 or moe.every < 1 or moe.shared_experts < 0 or moe.expert_ffn_dim < 0:
-        raise ConfigError("model.moe", dict(moe), "num_experts, shared_experts, expert_ffn_dim must be >= 0 "
-                          "and every >= 1", "fix the negative or zero value")
-    if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
-        raise ConfigError("model.moe.top_k", moe.top_k, f"must be in 1..num_experts={moe.num_experts}",
-                          "choose top_k <= model.moe.num_experts")
-    if moe.router not in ("softmax", "sigmoid"):
-        raise ConfigError("model.moe.router", moe.router, "unknown router", "use softmax or sigmoid")
-    if moe.num_experts and p.tp > 1:
-        raise ConfigError("parallel.tp", p.tp, "experts are not tensor-parallel yet",
-                          "use parallel.tp=1 with model.moe.num_experts > 0 (split experts with parallel.ep)")
-    if moe.num_experts and p.cp > 1:  # not built yet: each cp rank would route and balance part of a sequence
-        raise ConfigError("parallel.cp", p.cp, "context parallelism is not supported with mixture-of-experts models "
-                          "(the aux loss is a mean over whole sequences)", "use parallel.cp=1 with model.moe.num_experts > 0")
-    if p.ep == 1:
-        return
-    if not moe.num_experts or moe.num_experts % p.ep:
-        raise ConfigError("parallel.ep", p.ep, f"splits model.moe.num_experts={moe.num_experts} over ep ranks "
-                          "and must divide it", f"choose parallel.ep from {divisors(moe.num_experts or 1)}")
-    if p.ep < 1 or p.dp_shard % p.ep:
-        raise ConfigError("parallel.ep", p.ep, f"borrows its ranks from parallel.dp_shard={p.dp_shard} and must "
-                          "divide it", f"choose parallel.ep from {divisors(p.dp_shard)}")
-    if m.compile:
-        raise ConfigError("model.compile", True, "expert parallelism's all-to-all takes its split sizes from "
-                          "the routing (a graph break per block)", "set model.compile=false with parallel.ep > 1")
-
-
 def _check_data_parallel(p, t, device: str | None) -> None:
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero_stage", p.zero_stage, "ZeRO stages are 0 (DDP), 1, 2 and 3 (FSDP)",
@@ -241,29 +210,6 @@ def _check_data_parallel(p, t, device: str | None) -> None:
         if resolve_device(t.device, device) == "cpu":
             raise ConfigError("parallel.cpu_offload", True, "FSDP's CPU offload needs an accelerator and this "
                               "run trains on the CPU already", "set parallel.cpu_offload=false, or train on a GPU")
-
-
-def check_float8(t, p) -> None:
-    from parallel3d.parallel.float8 import RECIPES, torchao_available
-
-    if t.float8 not in RECIPES:
-        raise ConfigError("train.float8", t.float8, "unknown float8 recipe", f"use one of {', '.join(RECIPES)}")
-    if t.float8 == "none":
-        if t.float8_fsdp_all_gather:
-            raise ConfigError("train.float8_fsdp_all_gather", True, "train.float8=none converts no layer to "
-                              "float8", "set train.float8=tensorwise, or train.float8_fsdp_all_gather=false")
-        return
-    if not torchao_available():
-        raise ConfigError("train.float8", t.float8, "float8 training needs torchao, which is not installed",
-                          "pip install 'parallel3d[float8]' (torchao), or set train.float8=none")
-    if t.float8_fsdp_all_gather and t.float8 != "tensorwise":
-        raise ConfigError("train.float8_fsdp_all_gather", True, f"torchao all-gathers float8 weights with one "
-                          f"scale per tensor only, and train.float8={t.float8}",
-                          "set train.float8=tensorwise, or train.float8_fsdp_all_gather=false")
-    if t.float8_fsdp_all_gather and (p.zero_stage == 0 or p.dp_replicate * p.dp_shard == 1):
-        raise ConfigError("train.float8_fsdp_all_gather", True, "no FSDP all-gather here (no data parallelism, "
-                          "or parallel.zero_stage=0)", "set train.float8_fsdp_all_gather=false, or shard "
-                          "with parallel.zero_stage 1-3 over several data-parallel ranks")
 
 
 def _check_pipeline(p, t, m) -> None:

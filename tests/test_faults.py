@@ -124,6 +124,15 @@ def test_an_unwritable_run_dir_is_one_line(tmp_path):
     assert_one_line_error(run, "not writable", "Fix: set run_dir=")
 
 
+def terminate_after_two_steps(proc: subprocess.Popen, metrics: Path) -> str:
+    """SIGTERM ``proc`` once its run has logged two steps; its stderr after it exits."""
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=120)[1]
+
+
 def test_sigterm_finishes_the_step_saves_and_exits_for_a_requeue(tmp_path):
     """Preemption: the step in flight completes, a checkpoint of it is written (checkpoint.every=0:
     none otherwise), exit 75; the next start resumes from it."""
@@ -132,11 +141,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_for_a_requeue(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "parallel3d.train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env(), cwd=tmp_path)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    err = terminate_after_two_steps(proc, metrics)
     assert proc.returncode == 75, err[-3000:]
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert 2 <= last < 400
@@ -155,11 +160,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_
                              "-m", "parallel3d.train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env(), cwd=tmp_path)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    err = terminate_after_two_steps(proc, metrics)
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert (run_dir / "checkpoints" / f"step_{last}" / "COMPLETE").is_file(), err[-3000:]
     assert f"stopped by SIGTERM after step {last}" in err

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from parallel3d.base import ConfigError, divisors
 from parallel3d.config import ModelConfig
 from parallel3d.models.moe import GroupedExperts, MoE, is_moe_layer, split_sizes
 
@@ -139,3 +140,36 @@ def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, micro_batches: int,
     imbalance = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-12)).max()
     return {"aux_loss": float(aux), "expert_load": [int(v) for v in loads.sum(0).tolist()],
             "expert_load_max_over_mean": float(imbalance)}
+
+
+def check_experts(m, p) -> None:
+    """model.moe.* and parallel.ep (parallel3d/models/moe.py, parallel3d/parallel/expert.py)."""
+    moe = m.moe
+    if m.qk_norm and p.tp > 1:
+        raise ConfigError("parallel.tp", p.tp, "model.qk_norm is not tensor-parallel yet (its weights would "
+                          "need the gradients of every tp rank's heads)", "use parallel.tp=1 with qk_norm")
+    if moe.num_experts < 0 or moe.every < 1 or moe.shared_experts < 0 or moe.expert_ffn_dim < 0:
+        raise ConfigError("model.moe", dict(moe), "num_experts, shared_experts, expert_ffn_dim must be >= 0 "
+                          "and every >= 1", "fix the negative or zero value")
+    if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError("model.moe.top_k", moe.top_k, f"must be in 1..num_experts={moe.num_experts}",
+                          "choose top_k <= model.moe.num_experts")
+    if moe.router not in ("softmax", "sigmoid"):
+        raise ConfigError("model.moe.router", moe.router, "unknown router", "use softmax or sigmoid")
+    if moe.num_experts and p.tp > 1:
+        raise ConfigError("parallel.tp", p.tp, "experts are not tensor-parallel yet",
+                          "use parallel.tp=1 with model.moe.num_experts > 0 (split experts with parallel.ep)")
+    if moe.num_experts and p.cp > 1:  # not built yet: each cp rank would route and balance part of a sequence
+        raise ConfigError("parallel.cp", p.cp, "context parallelism is not supported with mixture-of-experts models "
+                          "(the aux loss is a mean over whole sequences)", "use parallel.cp=1 with model.moe.num_experts > 0")
+    if p.ep == 1:
+        return
+    if not moe.num_experts or moe.num_experts % p.ep:
+        raise ConfigError("parallel.ep", p.ep, f"splits model.moe.num_experts={moe.num_experts} over ep ranks "
+                          "and must divide it", f"choose parallel.ep from {divisors(moe.num_experts or 1)}")
+    if p.ep < 1 or p.dp_shard % p.ep:
+        raise ConfigError("parallel.ep", p.ep, f"borrows its ranks from parallel.dp_shard={p.dp_shard} and must "
+                          "divide it", f"choose parallel.ep from {divisors(p.dp_shard)}")
+    if m.compile:
+        raise ConfigError("model.compile", True, "expert parallelism's all-to-all takes its split sizes from "
+                          "the routing (a graph break per block)", "set model.compile=false with parallel.ep > 1")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parallel3d.base import resolve_device
+from parallel3d.base import ConfigError, resolve_device
 
 RECIPES = ("none", "tensorwise", "rowwise")
 SKIPPED_MODULES = ("output",)  # fully qualified names never converted (the vocabulary head)
@@ -157,3 +157,25 @@ def precompute_float8_scales(parts: list[nn.Module]) -> None:
 
     for part in parts:
         precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+def check_float8(t, p) -> None:
+    """train.float8* against the layout (called by validate.check, before any process group)."""
+    if t.float8 not in RECIPES:
+        raise ConfigError("train.float8", t.float8, "unknown float8 recipe", f"use one of {', '.join(RECIPES)}")
+    if t.float8 == "none":
+        if t.float8_fsdp_all_gather:
+            raise ConfigError("train.float8_fsdp_all_gather", True, "train.float8=none converts no layer to "
+                              "float8", "set train.float8=tensorwise, or train.float8_fsdp_all_gather=false")
+        return
+    if not torchao_available():
+        raise ConfigError("train.float8", t.float8, "float8 training needs torchao, which is not installed",
+                          "pip install 'parallel3d[float8]' (torchao), or set train.float8=none")
+    if t.float8_fsdp_all_gather and t.float8 != "tensorwise":
+        raise ConfigError("train.float8_fsdp_all_gather", True, f"torchao all-gathers float8 weights with one "
+                          f"scale per tensor only, and train.float8={t.float8}",
+                          "set train.float8=tensorwise, or train.float8_fsdp_all_gather=false")
+    if t.float8_fsdp_all_gather and (p.zero_stage == 0 or p.dp_replicate * p.dp_shard == 1):
+        raise ConfigError("train.float8_fsdp_all_gather", True, "no FSDP all-gather here (no data parallelism, "
+                          "or parallel.zero_stage=0)", "set train.float8_fsdp_all_gather=false, or shard "
+                          "with parallel.zero_stage 1-3 over several data-parallel ranks")
