@@ -56,7 +56,7 @@ def init_distributed(train, world_size: int) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size > 1:
+    if world_size > 1 and not dist.is_initialized():  # a caller's own group (tests/layout_batch.py) is kept
         timeout = timedelta(seconds=train.dist_timeout_s)
         store = attempt_store(timeout)  # None: torch's env:// rendezvous, as before
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,

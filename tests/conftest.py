@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 RUN_TIMEOUT_S = 300
+BATCH_TIMEOUT_S = 120
+BATCH_SIZE = 8  # layouts per launch: bounds what one failure sends back to launches of their own
 # Every test run: a short, fast variant of the default recipe.
 # optim.eps=1e-6: AdamW's update m/sqrt(v) ignores the gradient's scale, so with eps=1e-8 an element
 # whose gradient is pure round-off (~1e-10) still moves by up to lr per step, in a direction the
@@ -71,6 +73,43 @@ def launch(run_dir: Path, overrides: list[str], nproc: int = 1, launcher: str = 
     return Run(run_dir, proc.returncode, proc.stdout, proc.stderr)
 
 
+def launch_batch(root: Path, layouts: dict[str, list[str]], nproc: int) -> dict[str, Run]:
+    """Train ``layouts`` (name: overrides) one after another in one launch of tests/layout_batch.py,
+    each into ``root/name``; returns the runs that succeeded on every rank. A failed layout ends the
+    batch, so the caller launches it and any left over on their own (with that launch's errors)."""
+    spec = root / f"batch-{'-'.join(layouts)[:80]}-{os.getpid()}.json"
+    spec.write_text(json.dumps([{"run_dir": str(root / name), "overrides": o} for name, o in layouts.items()]))
+    script = str(Path(__file__).with_name("layout_batch.py"))
+    cmd = ([sys.executable, script] if nproc == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script])
+    try:
+        subprocess.run([*cmd, str(spec)], capture_output=True, text=True, env=env(), cwd=root,
+                       timeout=BATCH_TIMEOUT_S + RUN_TIMEOUT_S * len(layouts) // 3)
+    except subprocess.TimeoutExpired:
+        pass  # what finished before is kept; the rest run on their own
+    runs = {}
+    for name in layouts:
+        results = [json.loads(p.read_text()) for p in sorted((root / f"{name}.batch").glob("rank*.json"))]
+        if len(results) == nproc and all(r["returncode"] == 0 for r in results):
+            runs[name] = Run(root / name, 0, results[0]["stdout"], results[0]["stderr"])
+    return runs
+
+
+def selected_params(request, param: str = "name") -> set:
+    """The values of ``param`` in this module's tests that pytest will run (after -k, --lf, ...)."""
+    return {item.callspec.params[param] for item in request.session.items
+            if item.module is request.module and param in getattr(getattr(item, "callspec", None), "params", {})}
+
+
+def prefetch_selected(request, parity: Parity, layouts: dict, param: str = "name", prefix: str = "",
+                      extra: list[str] = ()) -> None:
+    """Batch the layouts of this module's tests that will run: ``layouts`` maps a test's ``param``
+    value to (ranks, overrides, ...); the runs are named ``prefix + name`` with ``extra`` overrides first."""
+    wanted = selected_params(request, param)
+    parity.prefetch({prefix + name: (nproc, [*extra, *overrides])
+                     for name, (nproc, overrides, *_) in layouts.items() if name in wanted})
+
+
 def relative_error(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -85,16 +124,31 @@ class Parity:
     """Runs layouts once each and compares them with the single-process run of the same model."""
 
     def __init__(self, root: Path):
-        self.root, self.runs = root, {}
+        self.root, self.runs, self.checked = root, {}, set()
 
     def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
         if name not in self.runs:
-            args = [*FAST, *overrides, "train.save_model=true"]
-            run = launch(self.root / name, args, nproc=nproc)
+            self.runs[name] = launch(self.root / name, self.arguments(overrides), nproc=nproc)
+        run = self.runs[name]
+        if name not in self.checked:
             run.assert_finished(10)
-            self.assert_planned_model_state(run, args, nproc)
-            self.runs[name] = run
-        return self.runs[name]
+            self.assert_planned_model_state(run, self.arguments(overrides), nproc)
+            self.checked.add(name)
+        return run
+
+    def prefetch(self, layouts: dict[str, tuple[int, list[str]]]) -> None:
+        """Train the layouts not yet run in one launch per rank count (see tests/layout_batch.py);
+        ``run`` then finds them, or launches on its own any that failed in a batch."""
+        pending = {name: layout for name, layout in layouts.items() if name not in self.runs}
+        for nproc in sorted({n for n, _ in pending.values()}):
+            group = {name: self.arguments(o) for name, (n, o) in pending.items() if n == nproc}
+            for start in range(0, len(group), BATCH_SIZE):
+                chunk = dict(list(group.items())[start:start + BATCH_SIZE])
+                self.runs |= launch_batch(self.root, chunk, nproc)
+
+    @staticmethod
+    def arguments(overrides: list[str]) -> list[str]:
+        return [*FAST, *overrides, "train.save_model=true"]
 
     @staticmethod
     def assert_planned_model_state(run: Run, overrides: list[str], nproc: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import relative_error
+from conftest import prefetch_selected, relative_error
 from parallel3d.config import DataConfig, EvalConfig, compose
 from parallel3d.data import load_tokenizer, open_eval_corpus, text_files, write_token_file
 from parallel3d.evaluate import Evaluator, stage_owners
@@ -74,6 +74,13 @@ def document_overrides(token_files) -> list[str]:
     train, heldout = token_files
     return ["data.source=file", f"data.path={train}", "data.document_masking=true", "data.reset_positions=true",
             f"eval.sources=[{heldout}]", "eval.every=5", "eval.batches=2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def batched(parity, request, token_files):
+    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    prefetch_selected(request, parity, LAYOUTS, param="layout", prefix="documents-",
+                      extra=document_overrides(token_files))
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,8 @@ def test_slurm_job_requeues_itself_before_its_time_limit_and_resumes(reference, 
         cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
         why = report(cluster, run_dir, job_id, cluster.wait_for_job(job_id, TIMEOUT_S))
     log = (run_dir / "slurm" / f"{job_id}.out").read_text()
-    assert "time limit near, requeueing" in log and f"job {job_id} (restart 1)" in log, why
+    assert "parallel3d: time limit near: saving a checkpoint, then requeueing" in log, why
+    assert f"job {job_id} (restart 1)" in log, why
     assert "resumed from" in log, why
     run = Run(run_dir, 0, "", why)
     run.assert_finished(10)

@@ -11,6 +11,7 @@ import os
 import socket
 
 import pytest
+from conftest import prefetch_selected
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -99,6 +100,12 @@ LAYOUTS = {
     "dp2-cp2-zero3-alltoall": (4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero_stage=3",
                                    "parallel.cp_method=alltoall", "train.micro_batch_size=4"]),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def batched(parity, request):
+    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    prefetch_selected(request, parity, LAYOUTS)
 
 
 @pytest.mark.multirank

@@ -7,6 +7,7 @@ Global batch 16 in every run; micro batches below the per-rank batch turn on acc
 from __future__ import annotations
 
 import pytest
+from conftest import prefetch_selected
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
@@ -59,6 +60,12 @@ def test_wrap_policy_decides_the_fsdp_units(fake_world, wrap, units):
                             min_params=100_000)
     apply_data_parallel(model, fake_world.dp, fake_world.fsdp, plan)
     assert {name for name, m in model.named_modules() if isinstance(m, FSDPModule)} == units
+
+
+@pytest.fixture(scope="module", autouse=True)
+def batched(parity, request):
+    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    prefetch_selected(request, parity, LAYOUTS, param="layout_run")
 
 
 @pytest.fixture(params=list(LAYOUTS))

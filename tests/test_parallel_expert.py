@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from conftest import FAST, launch, relative_error
+from conftest import FAST, launch, prefetch_selected, relative_error
 from parallel3d.config import compose
 from parallel3d.validate import ConfigError, check
 
@@ -19,6 +19,12 @@ LAYOUTS = {  # name: (ranks, overrides)
     "ep2-dp4-zero2": (4, ["parallel.ep=2", "parallel.zero_stage=2"]),  # experts averaged over 2 expert-dp ranks
     "ep2-dp2-pp2": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"]),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def batched(parity, request):
+    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    prefetch_selected(request, parity, LAYOUTS, prefix="moe-", extra=MOE)
 
 
 @pytest.fixture(scope="module")

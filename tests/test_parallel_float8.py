@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from conftest import relative_error
+from conftest import prefetch_selected, relative_error
 from parallel3d.config import compose
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.models import Transformer
@@ -182,6 +182,12 @@ LAYOUTS = {
     "float8-tp2": (2, [*FLOAT8, "parallel.tp=2", "train.micro_batch_size=16"]),
     "float8-pp2": (2, [*FLOAT8, "parallel.pp=2", "train.micro_batch_size=2"]),  # each stage converts its blocks
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def batched(parity, request):
+    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    prefetch_selected(request, parity, LAYOUTS)
 
 
 @pytest.mark.multirank

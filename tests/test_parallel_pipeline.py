@@ -4,6 +4,7 @@ single-process numbers; impossible pipelines are refused."""
 from __future__ import annotations
 
 import pytest
+from conftest import prefetch_selected
 
 from parallel3d.config import compose
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stage_model
@@ -46,6 +47,14 @@ TIED = {
     "dp2-pp2-zero3-tied": (4, ["parallel.pp=2", "parallel.zero_stage=3"]),
     "tp2-pp2-tied": (4, ["parallel.pp=2", "parallel.tp=2"]),
 }
+TIED_OVERRIDES = ["model.tie_embeddings=true", "train.micro_batch_size=2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def batched(parity, request):
+    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    prefetch_selected(request, parity, LAYOUTS)
+    prefetch_selected(request, parity, {name: (n, [*o, *TIED_OVERRIDES]) for name, (n, o) in TIED.items()})
 
 
 @pytest.mark.multirank
@@ -59,7 +68,7 @@ def test_matches_single_process(name, parity):
 @pytest.mark.parametrize("name", list(TIED))
 def test_tied_embeddings_match_single_process(name, parity):
     nproc, overrides = TIED[name]
-    run = parity.run(name, nproc, [*overrides, "model.tie_embeddings=true", "train.micro_batch_size=2"])
+    run = parity.run(name, nproc, [*overrides, *TIED_OVERRIDES])
     parity.assert_same_training(run, tied=True)
 
 

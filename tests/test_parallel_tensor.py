@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import prefetch_selected
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
@@ -29,6 +30,12 @@ LAYOUTS = {
 
 
 @pytest.mark.multirank
+@pytest.fixture(scope="module", autouse=True)
+def batched(parity, request):
+    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    prefetch_selected(request, parity, LAYOUTS)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_single_process(name, parity):
     nproc, overrides, tied = LAYOUTS[name]
