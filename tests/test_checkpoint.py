@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAST, Run, launch, relative_error
+from conftest import FAST, Run, launch, launch_batch, relative_error, selected_params
 from parallel3d.checkpoint import COMPLETE, Checkpointer, TrainState, complete_steps, find_checkpoint
 from parallel3d.config import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
@@ -37,23 +37,41 @@ class Saved:
 
     def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
         if name not in self.runs:
-            run = launch(self.root / name, [*SAVE, *overrides], nproc=nproc)
-            run.assert_finished(10)
-            self.runs[name] = run
+            self.runs[name] = launch(self.root / name, [*SAVE, *overrides], nproc=nproc)
+        self.runs[name].assert_finished(10)
         return self.runs[name]
 
     def resume(self, name: str, source: Run, nproc: int, overrides: list[str], step: int = 5) -> Run:
-        path = source.run_dir / "checkpoints" / f"step_{step}"
-        run = launch(self.root / name, [*FAST, f"checkpoint.resume={path}", "train.save_model=true", *overrides],
-                     nproc=nproc)
+        if name not in self.runs:
+            self.runs[name] = launch(self.root / name, self.resume_arguments(source.run_dir.name, overrides, step),
+                                     nproc=nproc)
+        run = self.runs[name]
         run.assert_finished(10)
         assert [row["step"] for row in run.metrics] == list(range(step + 1, 11)), run.stdout[-2000:]
         return run
 
+    def resume_arguments(self, source: str, overrides: list[str], step: int = 5) -> list[str]:
+        path = self.root / source / "checkpoints" / f"step_{step}"
+        return [*FAST, f"checkpoint.resume={path}", "train.save_model=true", *overrides]
+
+    def prefetch(self, layouts: dict[str, tuple[int, list[str]]]) -> None:
+        """Launch these (name: ranks, full overrides) in batches of one rank count (tests/layout_batch.py)."""
+        for nproc in sorted({n for n, _ in layouts.values()}):
+            self.runs |= launch_batch(self.root, {k: o for k, (n, o) in layouts.items() if n == nproc}, nproc)
+
 
 @pytest.fixture(scope="module")
-def saved(runs_root) -> Saved:
-    return Saved(runs_root / "checkpoints")
+def saved(runs_root, request) -> Saved:
+    """The selected tests' saving runs train first, then their resumes: a few launches for all."""
+    saved = Saved(runs_root / "checkpoints")
+    wanted = selected_params(request, "name")
+    reshards = [r for r in RESHARDS if r[0] in wanted]
+    if any(item.name == "test_resume_at_the_same_layout_dp2_tp2" for item in request.session.items):
+        reshards.append(("dp2-tp2-again", ("dp2-tp2", 4, DP2_TP2), (4, DP2_TP2)))
+    saved.prefetch({source: (n, [*SAVE, *o]) for _, (source, n, o), _ in reshards})
+    saved.prefetch({name: (n, saved.resume_arguments(source, o)) for name, (source, *_), (n, o) in reshards
+                    if source in saved.runs})
+    return saved
 
 
 def assert_continues(run: Run, source: Run, reference: Run | None = None, tolerance: float = 1e-5) -> None:

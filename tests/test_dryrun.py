@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -49,20 +48,17 @@ def comm(report: RankReport) -> dict[tuple[str, str], int]:
 
 
 def test_a_bad_config_fails_before_anything_is_built():
-    start = time.perf_counter()
     with pytest.raises(ConfigError, match="parallel.tp=3"):
         dry_run(["parallel.tp=3"], world_size=6)  # tiny's 4 heads do not split 3 ways
     with pytest.raises(ConfigError, match="world size is 8"):
         dry_run(["parallel.dp_shard=2", "parallel.tp=2"], world_size=8)
-    assert not dist.is_initialized() and time.perf_counter() - start < 10
+    assert not dist.is_initialized()  # refused before the fake process group forms
 
 
 def test_llama3_405b_on_512_ranks_tp8_pp8_dp8():
     """The 405B recipe's layout (tp 8 x pp 8 interleaved x ZeRO-3 over 8), one rank, 8 micro batches
     per step (the recipe's 32 take ~4x as long: tools/dry_run.py runs those)."""
-    start = time.perf_counter()
     [r] = dry_run(["recipe=llama3_405b", "train.global_batch_size=64", "parallel.pp_microbatches=8"], 512, [0])
-    elapsed = time.perf_counter() - start
     assert r.coords == {"pp": 0, "dp_shard": 0, "tp": 0} and r.stages == [0, 8]
     # AdamW: two float32 moments per parameter plus a step counter per tensor.
     n_tensors = (r.optim_state_bytes - 2 * r.param_bytes) // F32
@@ -76,9 +72,8 @@ def test_llama3_405b_on_512_ranks_tp8_pp8_dp8():
     assert c["pp", "send"] == c["pp", "recv"] == 3 * 8 * (1 * 8192 // 8 * 16384 * 2)  # see test_comm 3D
     planned = predict(compose(["recipe=llama3_405b", "train.global_batch_size=64", "parallel.pp_microbatches=8",
                                "train.device=cpu", "run_dir=/nonexistent"]), 512).ranks[0].peak_bytes
-    print(f"405B rank 0 dry run: {elapsed:.1f} s, peak {r.peak_bytes / 2**30:.1f} GiB, planner {planned / 2**30:.1f}")
+    print(f"405B rank 0 dry run: peak {r.peak_bytes / 2**30:.1f} GiB, planner {planned / 2**30:.1f}")
     assert abs(planned / r.peak_bytes - 1) < 0.05
-    assert elapsed < 120
 
 
 def test_llama3_8b_at_128k_on_64_ranks_cp2_tp4():
