@@ -74,7 +74,7 @@ def test_dp2_trains_the_same_and_its_ranks_split_tokenization(mixture):
 
 
 def test_pp2_tp2_trains_the_same(mixture):
-    run = mixture.run("pp2-tp2", 4, ["parallel.pp=2", "parallel.tp=2"])
+    run = mixture.run("pp2-tp2", 4, ["parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=4"])
     assert relative_error(run.losses, single(mixture).losses) < 1e-5
     assert relative_error(val_losses(run), val_losses(single(mixture))) < 1e-5
     assert mixture.tokenized_by("pp2-tp2") == {"rank 0", "rank 1", "rank 2", "rank 3"}  # five shards, four ranks

@@ -57,16 +57,17 @@ def test_eval_keys_are_validated(key, value):
     assert "Fix:" in str(error.value) and "\n" not in str(error.value)
 
 
-LAYOUTS = {  # name: (ranks, overrides)
-    "dp2": (2, ["parallel.dp_shard=2"]),
-    "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "pp2-1F1B": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B"]),
-    "pp2-Interleaved1F1B": (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"]),
-    "pp2-ZBVZeroBubble": (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"]),
+LAYOUTS = {  # name: (ranks, overrides); micro batches as large as the layout allows (fewer collectives)
+    "dp2": (2, ["parallel.dp_shard=2", "train.micro_batch_size=8"]),
+    "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=16"]),
+    "pp2-1F1B": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B", "train.micro_batch_size=4"]),
+    "pp2-Interleaved1F1B": (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=4"]),
+    "pp2-ZBVZeroBubble": (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", "train.micro_batch_size=4"]),
     # Context parallelism: document ids and positions are read off whole sequences, then cut to
     # each cp rank's head-tail share; each method applies the mask across the ranks.
-    "cp2-ring": (2, ["parallel.cp=2", "parallel.cp_method=ring"]),
-    "cp2-tp2-pp2-alltoall": (8, ["parallel.cp=2", "parallel.cp_method=alltoall", "parallel.tp=2", "parallel.pp=2"]),
+    "cp2-ring": (2, ["parallel.cp=2", "parallel.cp_method=ring", "train.micro_batch_size=16"]),
+    "cp2-tp2-pp2-alltoall": (8, ["parallel.cp=2", "parallel.cp_method=alltoall", "parallel.tp=2", "parallel.pp=2",
+                                 "train.micro_batch_size=4"]),
 }
 
 
