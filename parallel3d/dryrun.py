@@ -62,7 +62,6 @@ from parallel3d.config import Config, compose
 from parallel3d.mesh import Meshes, ParallelDims
 from parallel3d.metrics import model_state_bytes
 from parallel3d.optim import init_optimizer_state
-from parallel3d.parallel.data import uses_autocast
 from parallel3d.setup import build_setup, train_step
 from parallel3d.validate import check
 
@@ -284,7 +283,7 @@ def _static_stage_metadata(pipeline, c: Config, dims: ParallelDims) -> None:
     t = c.train
     local = t.seq_len // dims.cp  # a cp rank's part of each sequence
     seq = local // dims.tp if dims.tp > 1 and c.parallel.sequence_parallel else local
-    dtype = torch.float32 if uses_autocast(dims.dp * dims.cp, t.param_dtype) else DTYPES[t.param_dtype]
+    dtype = DTYPES[t.param_dtype]  # FSDP's cast: the whole model computes in it (parallel/data.py)
     with torch.device("meta"):
         hidden = torch.empty(t.micro_batch_size, seq, c.model.dim, dtype=dtype, requires_grad=True)
         tokens = torch.empty(t.micro_batch_size, local, dtype=torch.long)

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel3d.data import BatchSpec, StepSampler
 from parallel3d.parallel.pipeline import stage_ids
-from parallel3d.setup import Setup, autocast_context, rank_batch
+from parallel3d.setup import Setup, rank_batch
 
 
 class Evaluator:
@@ -66,14 +66,14 @@ def _batch_loss(s: Setup, micro_batches) -> torch.Tensor:
     if pipeline is None:
         for inputs, targets in micro_batches:
             inputs, targets, extra = rank_batch(s, inputs, targets)
-            with vocab_parallel(), autocast_context(s):
+            with vocab_parallel():
                 loss_sum += _local(s.loss_fn(s.model(inputs, **extra), targets))
         return loss_sum
     if schedule in NO_TORCH_EVAL:
         owners = stage_owners(schedule, s.meshes.pp.size(), len(pipeline.stages))
         for inputs, targets in micro_batches:
             inputs, targets, extra = rank_batch(s, inputs, targets)
-            with vocab_parallel(), autocast_context(s):
+            with vocab_parallel():
                 logits = _forward_through_stages(pipeline, owners, s.meshes.pp, inputs, extra)
                 if logits is not None:  # this rank holds the last stage
                     loss_sum += _local(s.loss_fn(logits, targets))
@@ -82,7 +82,7 @@ def _batch_loss(s: Setup, micro_batches) -> torch.Tensor:
         chunk = micro_batches[k : k + pipeline.microbatches]
         inputs, targets, extra = rank_batch(s, torch.cat([x for x, _ in chunk]), torch.cat([y for _, y in chunk]))
         losses: list[torch.Tensor] = []  # filled on the rank holding the last stage only
-        with vocab_parallel(), autocast_context(s):
+        with vocab_parallel():
             pipeline.schedule.eval(*([inputs] if pipeline.has_first_stage else []), target=targets, losses=losses,
                                    **extra)
         for loss in losses:

@@ -11,6 +11,11 @@ are left out of the mesh entirely, so a layout pays only for the process groups 
 
 cp ranks hold the same parameters (they split the sequence, not the model), so FSDP shards over
 dp_shard x cp and gradients are averaged over every data-parallel and cp rank (``dp_cp``).
+
+Mixed precision is FSDP's in every layout (``parallel/data.py``): where no other rank holds this
+rank's parameters (dp x cp = 1) and parameters compute in a lower precision, the mesh keeps a
+dp_shard dimension of size 1 (``Meshes.precision``) for that cast to run on, and one process
+starts a process group of one rank for it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -66,21 +72,40 @@ class Meshes:
     pp: Optional[DeviceMesh] = None
     ep: Optional[DeviceMesh] = None  # expert parallel: ep consecutive dp_shard ranks (parallel/expert.py)
     expert_dp: Optional[DeviceMesh] = None  # the dp ranks holding the same experts (dp / ep of them)
+    # This rank alone, for FSDP's mixed-precision cast where dp x cp = 1 (the module docstring).
+    precision: Optional[DeviceMesh] = None
 
     @property
     def dp_rank(self) -> int:
         return self.dp.get_local_rank() if self.dp is not None else 0
 
+    @property
+    def data_parallel(self) -> Optional[DeviceMesh]:
+        """The mesh the data-parallel wrapper (FSDP or replicate) runs on, if there is one."""
+        return self.dp_cp if self.dp_cp is not None else self.precision
 
-def build_mesh(dims: ParallelDims, device_type: str, ep: int = 1) -> Meshes:
+
+def build_mesh(dims: ParallelDims, device_type: str, ep: int = 1, mixed_precision: bool = False) -> Meshes:
     """One DeviceMesh over all ranks with the dimensions of size > 1, plus its named views.
-    ``ep`` (dividing dp_shard) splits the flattened dp view into (expert_dp, ep), ep innermost."""
-    active = [(name, size) for name, size in dims.sizes().items() if size > 1]
+    ``ep`` (dividing dp_shard) splits the flattened dp view into (expert_dp, ep), ep innermost.
+    ``mixed_precision`` (parameters compute below float32): without data parallelism, a dp_shard
+    dimension of size 1 as well, ``Meshes.precision``."""
+    precision = mixed_precision and dims.dp * dims.cp == 1
+    active = [(name, size) for name, size in dims.sizes().items() if size > 1 or (precision and name == "dp_shard")]
     if not active:
         return Meshes(world=None)
-    names = tuple(name for name, _ in active)
-    world = init_device_mesh(device_type, tuple(size for _, size in active), mesh_dim_names=names)
-    meshes = Meshes(world=world)
+    if precision and not dist.is_initialized():  # one process: FSDP needs a group, of one rank
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    world = init_device_mesh(device_type, tuple(size for _, size in active),
+                             mesh_dim_names=tuple(name for name, _ in active))
+    meshes = Meshes(world=world, precision=world["dp_shard"] if precision else None)
+    return _views(meshes, dims, ep, tuple(name for name, size in active if size > 1))
+
+
+def _views(meshes: Meshes, dims: ParallelDims, ep: int, names: tuple[str, ...]) -> Meshes:
+    """The named views of ``meshes.world`` over its dimensions ``names`` (those of size > 1)."""
+    world = meshes.world
     dp_names = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
     if dp_names:
         meshes.dp = _flat(world, dp_names, "dp")

@@ -19,7 +19,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from parallel3d.base import DTYPES
 from parallel3d.config import Config
 from parallel3d.data import BatchSpec
 from parallel3d.data.documents import document_inputs
@@ -28,7 +27,7 @@ from parallel3d.models import Transformer
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
-from parallel3d.parallel.data import set_gradient_sync, uses_autocast
+from parallel3d.parallel.data import set_gradient_sync
 from parallel3d.parallel.expert import set_sequences_per_step, sync_expert_gradients
 from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
@@ -76,7 +75,7 @@ def build_setup(c: Config, device: torch.device,
     run's FakeTensorMode); None: real memory on ``device``."""
     t = c.train
     dims = ParallelDims.from_config(c.parallel)
-    meshes = build_mesh(dims, device.type, c.parallel.ep)
+    meshes = build_mesh(dims, device.type, c.parallel.ep, mixed_precision=c.train.param_dtype != "float32")
     spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
     # a cp rank holds 1/cp of each of its sequences' tokens
     loss_fn = token_loss_fn(spec.local_batch_size * t.seq_len // dims.cp, c.model.compile)
@@ -127,9 +126,8 @@ def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor,
     with vocab_parallel:
         if s.pipeline is None:
             losses = _forward_backward(s, micro_batches)
-        else:  # the schedule runs backward inside step(): autocast spans both
-            with autocast_context(s):
-                losses = s.pipeline.forward_backward(micro_batches, lambda x, y: rank_batch(s, x, y))
+        else:
+            losses = s.pipeline.forward_backward(micro_batches, lambda x, y: rank_batch(s, x, y))
     loss_sum = torch.zeros((), device=s.device)
     for loss in losses:
         loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
@@ -159,23 +157,14 @@ def rank_batch(s: Setup, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[t
     return inputs, targets, dict(zip(extra, values))
 
 
-def autocast_context(s: Setup) -> contextlib.AbstractContextManager:
-    """The bf16/fp16 compute context where the layout casts per op (``parallel.data.uses_autocast``)."""
-    dtype = s.config.train.param_dtype
-    if uses_autocast(s.dims.dp * s.dims.cp, dtype):
-        return torch.autocast(s.device.type, dtype=DTYPES[dtype])
-    return contextlib.nullcontext()
-
-
 def _forward_backward(s: Setup, micro_batches: MicroBatches) -> list[torch.Tensor]:
     """Without pipeline parallelism: each micro batch forward and backward, gradients accumulating."""
     losses = []
     for i, (inputs, targets) in enumerate(micro_batches):
-        if s.meshes.dp_cp is not None:  # the data-parallel wrapper reduces on the last micro batch only
+        if s.meshes.data_parallel is not None:  # the data-parallel wrapper reduces on the last micro batch only
             set_gradient_sync(s.model, i == len(micro_batches) - 1, s.config.parallel.zero_stage)
         inputs, targets, extra = rank_batch(s, inputs, targets)
-        with autocast_context(s):
-            loss = s.loss_fn(s.model(inputs, **extra), targets)
+        loss = s.loss_fn(s.model(inputs, **extra), targets)
         loss.backward()
         losses.append(loss.detach())
     return losses

@@ -254,10 +254,10 @@ def test_comm_bytes_match_the_closed_form_and_the_planner(name):
 
 
 @pytest.mark.parametrize("name", ["tp_sp", "tp_sp_full", "tp_no_sp_op", "pp_1f1b"])
-def test_comm_bytes_under_autocast_match_the_planner(name):
-    """Without data parallelism bf16 runs under autocast: float32 parameters, and a float32
-    residual stream, so norm outputs, hidden states and their gradients travel in float32 while
-    matmul outputs travel in bf16."""
+def test_comm_bytes_in_bf16_without_data_parallelism_match_the_planner(name):
+    """Without data parallelism bf16 runs under FSDP on a mesh of one rank, as with it: the whole
+    model computes in bf16, so activations, hidden states and their gradients travel in bf16, and
+    the norm weights' tensor-parallel gradients are reduced whenever FSDP reduces."""
     world, overrides, M, _, planner_leaves_out = LAYOUTS[name]
     overrides = [*overrides, "train.param_dtype=bfloat16"]
     [r] = dry_run(overrides, world, [0])

@@ -167,32 +167,17 @@ def test_sharding_arithmetic_by_hand():
 # Activations: what autograd keeps between forward and backward
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _data_ptr(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:  # fake process group outputs without data
-        return None
-
-
 class LiveStorages(TorchDispatchMode):
     """Records every storage an op creates; ``alive()`` sums those still referenced (by autograd's
-    saved tensors, checkpoint caches, or the caller), each once, less autocast's copies of the
-    ``params`` storages (the planner counts those once per step, as transient memory)."""
+    saved tensors, checkpoint caches, or the caller), each once."""
 
-    def __init__(self, params: set[int] = frozenset()):
+    def __init__(self):
         super().__init__()
         self.refs: dict[int, weakref.ref] = {}
         self.created: list[weakref.ref] = []
-        self.params, self.casts = params, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and _data_ptr(_local(args[0])) in self.params:
-            self.casts.add(_data_ptr(_local(out)))
         for t in tree_leaves(out):
             t = t._local_tensor if isinstance(t, DTensor) else t
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
@@ -204,7 +189,7 @@ class LiveStorages(TorchDispatchMode):
         return out
 
     def alive(self, exclude: set[int]) -> int:
-        seen, total = set(exclude) | self.casts, 0
+        seen, total = set(exclude), 0
         for ref in self.created:
             storage = ref()
             if storage is None:
@@ -244,12 +229,9 @@ def _stage_activations(c, meshes, pp_rank: int, mode: str, dtype: torch.dtype) -
     apply_activation_checkpointing(part, mode, c.model.activation_checkpoint_every)
     part.to_empty(device="cpu")
     part.init_weights(0)
-    # As setup.train_step computes: with data parallelism FSDP's mixed-precision policy casts the
-    # parameters; without it autocast casts per op, and the residual stream stays float32.
-    autocast = meshes.dp is None and dtype != torch.float32
-    if not autocast:
-        part.to(dtype)
-    hidden = torch.float32 if autocast else dtype
+    # As setup.train_step computes: in every layout FSDP's mixed-precision policy casts the
+    # parameters, and the whole model, its residual stream included, computes in ``dtype``.
+    part.to(dtype)
     local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
     exclude = {local(t).untyped_storage().data_ptr() for t in [*part.parameters(), *part.buffers()]}
     b, s = c.train.micro_batch_size, c.train.seq_len
@@ -260,12 +242,11 @@ def _stage_activations(c, meshes, pp_rank: int, mode: str, dtype: torch.dtype) -
     exclude.add(targets.untyped_storage().data_ptr())
     documents = document_inputs(torch.randint(0, 257, (b, s)), c.data)  # inputs, like the tokens
     exclude |= {t.untyped_storage().data_ptr() for t in documents.values()}
-    tracker = LiveStorages(params=set(exclude))
-    with (loss_parallel() if meshes.tp is not None else contextlib.nullcontext()), tracker, \
-            torch.autocast("cpu", dtype=dtype, enabled=autocast):
+    tracker = LiveStorages()
+    with (loss_parallel() if meshes.tp is not None else contextlib.nullcontext()), tracker:
         if not part.embeds_input:  # received activations: the pipeline stage keeps them, so they count
             rows = s // c.parallel.tp if c.parallel.tp > 1 and c.parallel.sequence_parallel else s
-            x = torch.randn(b, rows, c.model.dim, dtype=hidden, requires_grad=True)
+            x = torch.randn(b, rows, c.model.dim, dtype=dtype, requires_grad=True)
         out = part(x, **documents)
         if part.norm is not None:  # the last stage: the loss, as train.py computes it
             loss = F.cross_entropy(out.flatten(0, 1).float(), targets, reduction="sum")  # noqa: F841

@@ -100,7 +100,7 @@ def test_hydra_multirun_gives_each_job_its_run_dir(tmp_path):
     assert lrs == {"0": 1e-3, "1": 2e-3}
 
 
-def test_bfloat16_autocast_and_offline_wandb(tmp_path):
+def test_bfloat16_one_process_and_offline_wandb(tmp_path):
     run = launch(tmp_path / "bf16", [*FAST, "train.steps=3", "train.param_dtype=bfloat16", "logging=wandb"])
     run.assert_finished(3)
     assert all(r["loss"] < 7 for r in run.metrics)

@@ -8,7 +8,9 @@ float8 layers), compile (the casts fuse into the blocks' kernels) and FSDP (floa
 the weights) must all see.
 Data parallelism goes last because FSDP must see the final (tensor-parallel, checkpointed,
 compiled) blocks it shards: FSDP on top of tensor parallelism shards the tp-local DTensors
-over the data-parallel mesh dims, giving 2D (or, with HSDP, 3D) parameters.
+over the data-parallel mesh dims, giving 2D (or, with HSDP, 3D) parameters. In a lower
+precision it runs in every layout, on a mesh of one rank if need be: its cast is the one
+precision policy (``parallel/data.py``).
 """
 
 from __future__ import annotations
@@ -83,5 +85,7 @@ def parallelize(model: nn.Module, meshes: Meshes, plan: ParallelPlan) -> None:
     apply_activation_checkpointing(model, plan.activation.mode, plan.activation.every)
     if plan.compile:
         compile_blocks(model)
-    if meshes.dp_cp is not None:  # cp ranks hold the same parameters as data-parallel ranks do
-        apply_data_parallel(model, meshes.dp_cp, meshes.fsdp, plan.data, ignored=experts)
+    # cp ranks hold the same parameters as data-parallel ranks do. Without either, the wrapper
+    # still runs, on this rank alone, where its mixed-precision policy has something to cast.
+    if meshes.data_parallel is not None:
+        apply_data_parallel(model, meshes.data_parallel, meshes.fsdp or meshes.precision, plan.data, ignored=experts)

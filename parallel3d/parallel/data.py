@@ -30,6 +30,20 @@ Stage 0 replicates over all data-parallel ranks and stage 1 shards over all of t
 x dp_shard, flattened). Stages 2 and 3 shard over dp_shard and, when dp_replicate > 1, replicate
 the shards across dp_replicate groups (HSDP: HYBRID_SHARD_ZERO2 / HYBRID_SHARD) through FSDP2's 2D
 mesh.
+
+Precision, one policy for every layout: float32 master weights and optimizer state; in forward
+and backward the whole model computes in ``train.param_dtype`` (FSDP's MixedPrecisionPolicy casts
+each unit's parameters as it gathers them, and the root's floating inputs), the residual stream
+and the hidden states between pipeline stages included; gradients come back in the compute
+dtype, are cast to ``train.reduce_dtype``, reduced (and accumulated over micro batches) in it,
+and reach the float32 masters. Without data parallelism the same wrapper runs on a mesh of one
+rank (``mesh.Meshes.precision``): FSDP skips the collectives there but casts exactly as it does
+on n ranks, so one process, tp, pp and cp layouts compute what data-parallel ones compute.
+(torchtitan, like this code before, casts with FSDP under FSDP and with torch.autocast without
+it, which keeps a float32 residual stream and normalizations: two policies, 5e-4 apart in loss
+after 10 bf16 steps of the tiny model. Autocast everywhere instead would have FSDP gather and
+hold float32 parameters, twice the all-gather bytes and unsharded memory.) See
+docs/parallelism.md, Precision.
 """
 
 from __future__ import annotations
@@ -123,10 +137,3 @@ def set_gradient_sync(model: nn.Module, sync: bool, zero_stage: int) -> None:
     if zero_stage == 1:
         model.set_reshard_after_backward(sync)
 
-
-def uses_autocast(dp: int, param_dtype: str) -> bool:
-    """How a lower ``param_dtype`` is applied. With data parallelism the mixed-precision policy of
-    FSDP (or replicate) casts the parameters, and activations are in ``param_dtype`` throughout.
-    Without it the parameters stay float32 and autocast casts per op, so the residual stream
-    (embedding and block outputs, hidden states between pipeline stages) stays float32."""
-    return dp == 1 and param_dtype != "float32"

@@ -8,15 +8,14 @@ ffn-wide tensors plus the product), RMSNorm instead of LayerNorm, fused attentio
 scores: SDPA saves its output and a float32 logsumexp), and RoPE (its rotated q and k are new
 tensors; the rotation itself saves only the cos/sin tables).
 
-Notation per micro batch: T = b·s tokens, c = bytes of the compute dtype, r = bytes of the
-residual stream (c, or 4 under autocast: ``Layout.autocast``), t = tp degree, Tn = T/t with
-sequence parallelism (norms and residual stream split over the sequence), else T.
+Notation per micro batch: T = b·s tokens, c = bytes of the compute dtype (the residual stream's
+too: FSDP's mixed precision computes the whole model in it, ``parallel/data.py``), t = tp degree,
+Tn = T/t with sequence parallelism (norms and residual stream split over the sequence), else T.
 
-    RMSNorm      cuda (fused kernel): its input r·Tn·D, rstd 4·Tn
+    RMSNorm      cuda (fused kernel): its input c·Tn·D, rstd 4·Tn
                  cpu (composite, float32 inside): float32 input 4·Tn·D and x·rstd 4·Tn·D, rstd 4·Tn
                  + its output as the next matmuls' input: c·T·D (all-gathered under sequence
-                 parallelism); under autocast each matmul casts the float32 output for itself:
-                 3 copies before attention (q, k, v), 2 before the feed-forward (w1, w3)
+                 parallelism)
     attention    rotated q c·T·D/t, rotated k and v 2·c·T·kv/t, output c·T·D/t, logsumexp 4·T·H/t,
                  the head-merging copy of the output c·T·D/t (CPU kernels, and cuDNN's attention,
                  which Hopper GPUs run, return the output heads-major)
@@ -27,11 +26,11 @@ sequence parallelism (norms and residual stream split over the sequence), else T
                  the rotation keeps: 4·T·D/H per block
 
 Checkpointing modes (``parallel/activation.py``):
-    full         the block's input only: r·Tn·D
+    full         the block's input only: c·Tn·D
     selective    full on blocks whose index is a multiple of ``activation_checkpoint_every``
     op           the block's input and the outputs of every matmul and of SDPA (partial sums
                  of wo and w2 are full width before their reduce-scatter), and under tensor
-                 parallelism those two reductions' outputs: r·Tn·D + c·T·(2D/t + 2kv/t + 2D
+                 parallelism those two reductions' outputs: c·Tn·D + c·T·(2D/t + 2kv/t + 2D
                  + 2F/t) + 4·T·H/t (+ 2·c·Tn·D when t > 1)
 """
 
@@ -48,11 +47,9 @@ class Geometry:
 
     tokens: int  # T = micro batch x sequence length
     tokens_norm: int  # Tn: tokens of the residual stream on this rank
-    c: int  # bytes per activation element (compute dtype)
-    r: int  # bytes per residual-stream element (float32 under autocast)
+    c: int  # bytes per activation element (compute dtype), the residual stream's included
     t: int  # tensor-parallel degree
     cpu: bool  # composite RMSNorm (CPU kernels); cuda: fused kernels
-    autocast: bool  # float32 parameters, cast per op
     mask: int = 0  # M: bytes of the attention mask a block keeps (document masking)
     token_rope: bool = False  # per-token RoPE tables (reset positions)
 
@@ -61,22 +58,22 @@ class Geometry:
         tokens = layout.micro_batch_size * layout.seq_len // layout.cp  # a cp rank's part of each sequence
         split = layout.tp > 1 and layout.sequence_parallel
         mask = layout.compute_bytes * tokens * layout.seq_len if layout.document_masking else 0
-        return cls(tokens, tokens // layout.tp if split else tokens, layout.compute_bytes, layout.residual_bytes,
-                   layout.tp, layout.device == "cpu", layout.autocast, mask, layout.reset_positions)
+        return cls(tokens, tokens // layout.tp if split else tokens, layout.compute_bytes, layout.tp,
+                   layout.device == "cpu", mask, layout.reset_positions)
 
 
-def norm_bytes(model: ModelShape, g: Geometry, readers: int) -> int:
-    """One RMSNorm and its output as saved by the ``readers`` matmuls that read it."""
+def norm_bytes(model: ModelShape, g: Geometry) -> int:
+    """One RMSNorm and its output, saved once for the matmuls that read it."""
     D, Tn = model.dim, g.tokens_norm
-    saved_inside = (4 + 4) * Tn * D if g.cpu else g.r * Tn * D
-    return saved_inside + 4 * Tn + (readers if g.autocast else 1) * g.c * g.tokens * D
+    saved_inside = (4 + 4) * Tn * D if g.cpu else g.c * Tn * D
+    return saved_inside + 4 * Tn + g.c * g.tokens * D
 
 
 def block_bytes(model: ModelShape, g: Geometry, mode: str) -> int:
     """Bytes one transformer block keeps per micro batch under checkpointing ``mode``
     (``selective`` is resolved per block by :func:`stage_activation_bytes`)."""
     D, F, kv, H, T, t, c = model.dim, model.ffn_dim, model.kv_dim, model.n_heads, g.tokens, g.t, g.c
-    block_input = g.r * g.tokens_norm * D
+    block_input = g.c * g.tokens_norm * D
     lse = 4 * T * H // t
     if mode == "full":
         return block_input
@@ -84,13 +81,13 @@ def block_bytes(model: ModelShape, g: Geometry, mode: str) -> int:
         reductions = 2 * c * g.tokens_norm * D if t > 1 else 0
         return block_input + c * T * (2 * D // t + 2 * kv // t + 2 * D + 2 * F // t) + lse + reductions
     attention = c * T * (3 * D + 2 * kv) // t + lse + g.mask + (4 * T * D // H if g.token_rope else 0)
-    return norm_bytes(model, g, 3) + norm_bytes(model, g, 2) + attention + 4 * c * T * F // t
+    return 2 * norm_bytes(model, g) + attention + 4 * c * T * F // t
 
 
 def head_bytes(model: ModelShape, g: Geometry) -> int:
     """The last stage's final norm and loss: log_softmax keeps its float32 output, vocab-sharded
     under tensor parallelism (loss parallel); the logits themselves are not kept."""
-    return norm_bytes(model, g, 1) + 4 * g.tokens * model.vocab_size // g.t
+    return norm_bytes(model, g) + 4 * g.tokens * model.vocab_size // g.t
 
 
 def checkpointed(layer: int, layout: Layout) -> str:
@@ -111,8 +108,8 @@ def stage_activation_bytes(model: ModelShape, stage: Stage, layout: Layout) -> i
         if layout.pp > 1:
             total += g.c * g.tokens * model.vocab_size // g.t
     else:
-        total += g.r * g.tokens_norm * model.dim
-    first_saves_copy = g.cpu and g.r != 4 and (not stage.blocks or checkpointed(stage.blocks[0], layout) == "none")
+        total += g.c * g.tokens_norm * model.dim
+    first_saves_copy = g.cpu and g.c != 4 and (not stage.blocks or checkpointed(stage.blocks[0], layout) == "none")
     if not stage.first and first_saves_copy:  # the received input is kept too, not only its float32 copy
         total += g.c * g.tokens_norm * model.dim
     return total
@@ -126,7 +123,7 @@ def receive_buffer_bytes(model: ModelShape, stages: list[Stage], layout: Layout,
     if layout.pp == 1:
         return 0
     g = Geometry.of(layout)
-    hidden = g.r * g.tokens_norm * model.dim
+    hidden = g.c * g.tokens_norm * model.dim
     m = layout.schedule_microbatches
     return sum(((m - in_flight.get(s.index, 0)) if not s.first else 0) * hidden + (m * hidden if not s.last else 0)
                for s in stages)

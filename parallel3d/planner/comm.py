@@ -102,7 +102,9 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
             if layout.zero_stage >= 2:  # HSDP: the reduced shard across the replicas
                 out["dp_replicate"]["all_reduce"] += reductions * ring("all_reduce", numel * reduce / n,
                                                                        layout.dp_replicate)
-        if layout.tp > 1:  # without data parallelism, train.settle_gradients reduces once
+        # Without data parallelism train.settle_gradients reduces once (FSDP on one rank, which
+        # only casts, reduces nothing, and leaves the tensor-parallel partial sums to it).
+        if layout.tp > 1:
             _tensor_parallel(out["tp"], model, stage, layout, reductions if replicas > 1 else 1)
         if layout.cp > 1:
             _context_parallel(out["cp"], model, stage, layout)
@@ -147,10 +149,9 @@ def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, lay
                      norm_reductions: int) -> None:
     g = Geometry.of(layout)
     t, mb, sp = layout.tp, layout.micro_batches, layout.sequence_parallel
-    # One full-sequence activation, S: the matmuls' outputs (and in backward the gradients of
-    # them) are in the compute dtype; the norms' outputs (and in backward their gradients) in the
-    # residual stream's, float32 under autocast, where each matmul casts its input for itself.
-    act, res = (g.tokens * model.dim * b for b in (g.c, g.r))
+    # One full-sequence activation, S, in the compute dtype: the matmuls' outputs and the norms'
+    # (and in backward the gradients of them). The residual stream is in it too (``parallel/data.py``).
+    act = res = g.tokens * model.dim * g.c
     # Per block and micro batch, forward: 2 gathers of norm outputs (SP), 2 reductions of matmul
     # outputs; backward the reverse on their gradients; plus what a recomputed block repeats.
     regathers = rereductions = 0
@@ -189,7 +190,7 @@ def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, lay
 
 def _pipeline(out: dict[str, float], model: ModelShape, stages: list[Stage], layout: Layout) -> None:
     g = Geometry.of(layout)
-    act = g.tokens_norm * model.dim * g.r  # hidden states, float32 under autocast
+    act = g.tokens_norm * model.dim * g.c  # hidden states, in the compute dtype
     held = {s.index for s in stages}
     for stage in stages:
         sends = (not stage.last and stage.index + 1 not in held) + (not stage.first and stage.index - 1 not in held)

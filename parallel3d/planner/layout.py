@@ -15,13 +15,12 @@ from typing import Optional
 from parallel3d.base import resolve_device
 from parallel3d.config import MoEConfig
 from parallel3d.mesh import ParallelDims
-from parallel3d.parallel.data import uses_autocast
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
 from parallel3d.parallel.tensor import BLOCK_SPLITS, outer_splits
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Master weights, gradients and AdamW moments: the model is built in float32 and stays so;
-# mixed precision casts copies (FSDP's MixedPrecisionPolicy, or autocast) for compute only.
+# mixed precision casts copies (FSDP's MixedPrecisionPolicy, in every layout) for compute only.
 MASTER_BYTES = 4
 
 
@@ -146,16 +145,6 @@ class Layout(ParallelDims):
     @property
     def reduce_bytes(self) -> int:
         return DTYPE_BYTES[self.reduce_dtype]
-
-    @property
-    def autocast(self) -> bool:
-        """Compute under autocast, float32 residual stream (``parallel.data.uses_autocast``)."""
-        return uses_autocast(self.dp * self.cp, self.param_dtype)
-
-    @property
-    def residual_bytes(self) -> int:
-        """Bytes per element of the residual stream: block inputs and outputs, hidden states sent on."""
-        return MASTER_BYTES if self.autocast else self.compute_bytes
 
     def name(self) -> str:
         """Short label, e.g. ``dp8 tp8 pp2/Interleaved1F1Bx2 z1 mb1 ac=full``."""
