@@ -22,16 +22,17 @@ from parallel3d.setup import build_setup
 from parallel3d.validate import check
 
 BF16 = ["train.param_dtype=bfloat16"]
-# Data- and pipeline-parallel layouts: the issue's bound. bf16 rounds each gradient and activation
-# to 8 bits of mantissa, so a different (float32) summation order anywhere, reduce-scatter or
-# micro-batch accumulation, moves a master weight by an ulp that can flip its bf16 copy; after
-# 10 steps that leaves the losses up to 7e-5 apart (measured 2026-11-23), not 1e-6.
-DATA_PIPELINE = 1e-4
-# Tensor parallelism also splits each matmul's reduction over the ranks (the row-parallel wo and
-# w2 sum bf16 partial products across tp): measured 2026-11-23, see TENSOR_MEASURED.
-TENSOR = 2e-4
+# Data- and pipeline-parallel layouts, losses: the issue's bound. bf16 keeps 8 bits of mantissa,
+# so a different float32 summation order anywhere (reduce-scatter, micro-batch accumulation) moves
+# a master weight by an ulp that can flip its bf16 copy; over 10 steps that left losses up to
+# 5.2e-5 apart (dp2 ZeRO-3; pp2 3.8e-5) and grad norms up to 3.2e-4 (measured 2026-11-23).
+DATA_PIPELINE = (1e-4, 1e-3)  # (losses, grad norms), relative, every step
+# Tensor parallelism also splits each matmul's reduction: row-parallel wo and w2 sum bf16 partial
+# products over the tp ranks, a second bf16 rounding. Measured 2026-11-23: losses 1.3e-4 (step 9),
+# grad norms 3.7e-3 (step 4), about one bf16 ulp (2**-8 = 3.9e-3).
+TENSOR = (2.5e-4, 1e-2)
 
-LAYOUTS = {  # name: (ranks, overrides, tolerance); the largest micro batch each layout allows
+LAYOUTS = {  # name: (ranks, overrides, tolerances); the largest micro batch each layout allows
     "bf16-zero0-dp2": (2, [*BF16, "parallel.dp_shard=2", "parallel.zero_stage=0", "train.micro_batch_size=8"],
                        DATA_PIPELINE),
     # two micro batches per rank: ZeRO-1 accumulates unsharded gradients (reduce dtype) between them
@@ -42,6 +43,8 @@ LAYOUTS = {  # name: (ranks, overrides, tolerance); the largest micro batch each
     "bf16-pp2": (2, [*BF16, "parallel.pp=2", "train.micro_batch_size=8"], DATA_PIPELINE),
     "bf16-zero2-dp2-pp2": (4, [*BF16, "parallel.dp_shard=2", "parallel.pp=2", "parallel.zero_stage=2",
                                "train.micro_batch_size=4"], DATA_PIPELINE),
+    # all-to-all cp: each rank attends whole sequences for half the heads; gradients reduce as dp's
+    "bf16-cp2": (2, [*BF16, "parallel.cp=2", "train.micro_batch_size=16"], DATA_PIPELINE),
     "bf16-tp2": (2, [*BF16, "parallel.tp=2", "train.micro_batch_size=16"], TENSOR),
 }
 
@@ -56,12 +59,12 @@ def bf16_reference(parity):
 def test_bf16_layout_computes_what_one_process_computes(name, parity):
     """Through parity.run, which also holds the planner's model-state bytes to the measured ones
     (float32 masters in every layout)."""
-    nproc, overrides, tolerance = LAYOUTS[name]
+    nproc, overrides, (loss_tolerance, norm_tolerance) = LAYOUTS[name]
     reference, run = bf16_reference(parity), parity.run(name, nproc, overrides)
     error = relative_error(run.losses, reference.losses)
-    assert error < tolerance, (name, error, run.losses, reference.losses)
+    assert error < loss_tolerance, (name, error, run.losses, reference.losses)
     norms = relative_error([r["grad_norm"] for r in run.metrics], [r["grad_norm"] for r in reference.metrics])
-    assert norms < 10 * tolerance, (name, norms)  # a norm sums squares of bf16-rounded gradients
+    assert norms < norm_tolerance, (name, norms)
 
 
 def _one_process_setup(param_dtype: str):

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop", action="append", choices=list(LOOPS), help="loop(s) to run (default: all)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every case, e.g. train.seq_len=4096")
     args = parser.parse_args(argv)
-    print(heading("Throughput, MFU and memory on one GPU", "bench_gpu.py", argv, "bf16 autocast, fused AdamW"))
+    print(heading("Throughput, MFU and memory on one GPU", "bench_gpu.py", argv, "bf16 (FSDP mixed precision), fused AdamW"))
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.case or list(CASES):
             overrides = [*CASES[case][1], f"train.steps={args.steps}", f"logging.log_every={args.log_every}",

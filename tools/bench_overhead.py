@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -73,7 +74,9 @@ def plain(overrides: list[str], run_dir: Path) -> list[float]:
 def plain_records(overrides: list[str]) -> list[dict]:
     """The same training, written out by hand on one device: per logged step its loss, tokens/s
     and step time since the last log, as parallel3d's metrics.jsonl has them. A reduced-precision
-    ``train.param_dtype`` trains under autocast (as parallel3d on one device); ``model.compile``
+    ``train.param_dtype`` trains as parallel3d does in every layout (docs/parallelism.md,
+    Precision): float32 master weights, a working copy in that dtype that computes forward and
+    backward, its gradients accumulated in float32 on the masters; ``model.compile``
     compiles the model and the loss as one graph, as nanoGPT's ``torch.compile(model)`` does
     (its forward returns the loss)."""
     c = OmegaConf.to_object(compose([*overrides, "run_dir=unused"]))
@@ -84,8 +87,7 @@ def plain_records(overrides: list[str]) -> list[dict]:
         model = Transformer(c.model)
     model.to_empty(device=device)
     model.init_weights(t.seed)
-    autocast = (torch.autocast(device.type, dtype=DTYPES[t.param_dtype]) if t.param_dtype != "float32"
-                else contextlib.nullcontext())
+    compute = working_copy(model, DTYPES[t.param_dtype])
     # Norms and biases without weight decay, as nanoGPT does and as optim.no_decay says.
     optimizer = torch.optim.AdamW(decay_groups(model, c.optim.weight_decay, c.optim.no_decay), lr=c.optim.lr,
                                   betas=(c.optim.beta1, c.optim.beta2), eps=c.optim.eps, fused=True)  # as ours
@@ -95,17 +97,18 @@ def plain_records(overrides: list[str]) -> list[dict]:
     tokens = t.global_batch_size * t.seq_len
 
     def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens
+        return F.cross_entropy(compute(inputs).flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens
 
     loss_of = torch.compile(loss_of) if c.model.compile else loss_of
     records, since, steps_since = [], time.perf_counter(), 0
     for step in range(1, t.steps + 1):
         total = torch.zeros((), device=device)
+        copy_masters(model, compute)
         for inputs, targets in sampler.micro_batches(step):
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            with autocast:
-                loss = loss_of(inputs, targets)
+            loss = loss_of(inputs, targets)
             loss.backward()
+            accumulate_gradients(compute, model)
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         optimizer.step()
@@ -121,6 +124,37 @@ def plain_records(overrides: list[str]) -> list[dict]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return records
+
+
+def working_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model itself in float32; else a copy whose parameters (not buffers: the RoPE tables
+    stay float32, as FSDP's cast leaves them) are in ``dtype``."""
+    if dtype == torch.float32:
+        return model
+    compute = copy.deepcopy(model)
+    for p in compute.parameters():
+        p.data = p.data.to(dtype)
+    return compute
+
+
+@torch.no_grad()
+def copy_masters(model: torch.nn.Module, compute: torch.nn.Module) -> None:
+    """The working copy takes the float32 masters' values, rounded to its dtype."""
+    if compute is not model:
+        torch._foreach_copy_(list(compute.parameters()), list(model.parameters()))
+
+
+@torch.no_grad()
+def accumulate_gradients(compute: torch.nn.Module, model: torch.nn.Module) -> None:
+    """A micro batch's gradients, cast to float32, added to the masters' (FSDP's reduce dtype)."""
+    if compute is model:
+        return
+    for w, master in zip(compute.parameters(), model.parameters()):
+        if master.grad is None:
+            master.grad = w.grad.float()
+        else:
+            master.grad += w.grad.float()
+        w.grad = None
 
 
 LOOPS = {"parallel3d": ours, "plain": plain}

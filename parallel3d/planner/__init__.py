@@ -16,7 +16,7 @@ What is exact and what is a model:
   parity run, tests/test_planner.py against fake-process-group ranks with uneven shards.
 * Activations per microbatch (``RankMemory.activation_per_microbatch``): counted tensor by tensor
   (``planner/activations.py``); exact against CPU kernels in float32 and bfloat16 (FSDP's mixed
-  precision and autocast) for every checkpointing mode, with and without tensor/sequence
+  precision, every layout's) for every checkpointing mode, with and without tensor/sequence
   parallelism, on every pipeline stage. On CUDA it counts the fused RMSNorm and cuDNN attention,
   eager kernels (compiled blocks keep less); BENCHMARKS.md compares it with one-GPU peaks.
 * Activations in flight (``activation_bytes``): replays torch's own schedule order.
