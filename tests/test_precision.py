@@ -24,8 +24,9 @@ from parallel3d.validate import check
 BF16 = ["train.param_dtype=bfloat16"]
 # Data- and pipeline-parallel layouts, losses: the bound. bf16 keeps 8 bits of mantissa,
 # so a different float32 summation order anywhere (reduce-scatter, micro-batch accumulation) moves
-# a master weight by an ulp that can flip its bf16 copy; over 10 steps that left losses up to
-# 5.2e-5 apart (dp2 ZeRO-3; pp2 3.8e-5) and grad norms up to 3.2e-4 (measured 2026-11-23).
+# a master weight by an ulp that can flip its bf16 copy. Measured 2026-11-23, largest step of 10,
+# losses / grad norms: ZeRO-0 dp2 4.6e-5 / 2.6e-4, ZeRO-1 5.8e-5 / 2.8e-4, ZeRO-3 5.2e-5 / 2.7e-4,
+# pp2 3.8e-5 / 3.2e-4, ZeRO-2 dp2 pp2 7.6e-5 / 7.1e-4, cp2 3.0e-5 / 4.4e-4.
 DATA_PIPELINE = (1e-4, 1e-3)  # (losses, grad norms), relative, every step
 # Tensor parallelism also splits each matmul's reduction: row-parallel wo and w2 sum bf16 partial
 # products over the tp ranks, a second bf16 rounding. Measured 2026-11-23: losses 1.3e-4 (step 9),
