@@ -16,7 +16,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 
-from conftest import relative_error
+from conftest import prefetch_selected, relative_error
 from parallel3d.config import compose
 from parallel3d.setup import build_setup
 from parallel3d.validate import check
@@ -48,6 +48,12 @@ LAYOUTS = {  # name: (ranks, overrides, tolerances); the largest micro batch eac
     "bf16-cp2": (2, [*BF16, "parallel.cp=2", "train.micro_batch_size=16"], DATA_PIPELINE),
     "bf16-tp2": (2, [*BF16, "parallel.tp=2", "train.micro_batch_size=16"], TENSOR),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def batched(parity, request):
+    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    prefetch_selected(request, parity, LAYOUTS)
 
 
 def bf16_reference(parity):
