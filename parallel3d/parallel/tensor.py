@@ -122,17 +122,18 @@ class TokenLocal(ParallelStyle):
         self.skip = skip
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def replicate(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
-            if not any(name == s or name.startswith(s + ".") for s in self.skip):
-                for p_name, param in sub.named_parameters(recurse=False):
-                    if not isinstance(param, DTensor):
-                        sub.register_parameter(p_name, nn.Parameter(
-                            DTensor.from_local(param, mesh, [Replicate()], run_check=False)))
-
-        def local_input(mod, inputs, mesh):
-            return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
-
-        return distribute_module(module, device_mesh, replicate, local_input)
+        # Not distribute_module: it would also replicate what is left to other plans, and buffers
+        # (the sigmoid router's bias stays a plain tensor, equal on every rank).
+        for name, sub in module.named_modules():
+            if any(name == s or name.startswith(s + ".") for s in self.skip):
+                continue
+            for p_name, param in sub.named_parameters(recurse=False):
+                if not isinstance(param, DTensor):
+                    sub.register_parameter(p_name, nn.Parameter(
+                        DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)))
+        module.register_forward_pre_hook(
+            lambda mod, inputs: tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs))
+        return module
 
 
 def moe_feed_forward_plan(moe: MoE) -> dict:
