@@ -270,7 +270,9 @@ def _dim_of_group(meshes: Meshes, tied) -> dict[str, str]:
         for dim in (mesh.mesh_dim_names if mesh is not None else ()):
             if dim in ("dp_cp", "dp_shard_cp"):
                 names[mesh.get_group(dim).group_name] = dim
-    for name in ("ep", "expert_dp"):  # expert parallelism's views of the dp ranks
+    if meshes.cp_tp is not None and meshes.cp_tp.mesh_dim_names == ("cp_tp",):  # cp x tp, flattened (MoE counts)
+        names[meshes.cp_tp.get_group().group_name] = "cp_tp"
+    for name in ("ep", "expert_dp"):  # expert parallelism's views of the dp x cp x tp ranks
         if getattr(meshes, name) is not None:
             names[getattr(meshes, name).get_group().group_name] = name
     if tied is not None and tied.group is not None:  # first and last pp stage of one (dp, tp) coordinate

@@ -70,8 +70,12 @@ class Meshes:
     cp: Optional[DeviceMesh] = None
     tp: Optional[DeviceMesh] = None
     pp: Optional[DeviceMesh] = None
-    ep: Optional[DeviceMesh] = None  # expert parallel: ep consecutive dp_shard ranks (parallel/expert.py)
-    expert_dp: Optional[DeviceMesh] = None  # the dp ranks holding the same experts (dp / ep of them)
+    # The ranks that split each sequence's tokens: cp x tp, flattened (under sequence parallelism
+    # tp ranks hold sequence shards too). Token-local layers (MoE routing) reduce over it.
+    cp_tp: Optional[DeviceMesh] = None
+    # expert parallel: ep consecutive ranks of dp_shard x cp x tp (parallel/expert.py)
+    ep: Optional[DeviceMesh] = None
+    expert_dp: Optional[DeviceMesh] = None  # the dp x cp x tp ranks holding the same experts (/ ep of them)
     # This rank alone, for FSDP's mixed-precision cast where dp x cp = 1 (the module docstring).
     precision: Optional[DeviceMesh] = None
 
@@ -87,9 +91,9 @@ class Meshes:
 
 def build_mesh(dims: ParallelDims, device_type: str, ep: int = 1, mixed_precision: bool = False) -> Meshes:
     """One DeviceMesh over all ranks with the dimensions of size > 1, plus its named views.
-    ``ep`` (dividing dp_shard) splits the flattened dp view into (expert_dp, ep), ep innermost.
-    ``mixed_precision`` (parameters compute below float32): without data parallelism, a dp_shard
-    dimension of size 1 as well, ``Meshes.precision``."""
+    ``ep`` (dividing dp_shard x cp x tp) splits the flattened (dp, cp, tp) ranks into
+    (expert_dp, ep), ep innermost. ``mixed_precision`` (parameters compute below float32):
+    without data parallelism, a dp_shard dimension of size 1 as well, ``Meshes.precision``."""
     precision = mixed_precision and dims.dp * dims.cp == 1
     active = [(name, size) for name, size in dims.sizes().items() if size > 1 or (precision and name == "dp_shard")]
     if not active:
@@ -126,10 +130,15 @@ def _views(meshes: Meshes, dims: ParallelDims, ep: int, names: tuple[str, ...]) 
         meshes.tp = world["tp"]
     if "pp" in names:
         meshes.pp = world["pp"]
+    token_names = tuple(name for name in ("cp", "tp") if name in names)
+    if token_names:
+        meshes.cp_tp = _flat(world, token_names, "cp_tp")
     if ep > 1:
-        split = meshes.dp._unflatten(0, (dims.dp // ep, ep), ("expert_dp", "ep"))
+        pool_names = tuple(name for name in ("dp_replicate", "dp_shard", "cp", "tp") if name in names)
+        pool = meshes.dp if pool_names == dp_names else _flat(world, pool_names, "dp_cp_tp")
+        split = pool._unflatten(0, (pool.size() // ep, ep), ("expert_dp", "ep"))
         meshes.ep = split["ep"]
-        meshes.expert_dp = split["expert_dp"] if dims.dp > ep else None
+        meshes.expert_dp = split["expert_dp"] if pool.size() > ep else None
     return meshes
 
 

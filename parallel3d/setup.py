@@ -28,7 +28,7 @@ from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync
-from parallel3d.parallel.expert import set_sequences_per_step, sync_expert_gradients
+from parallel3d.parallel.expert import configure_moe, sync_expert_gradients
 from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
 
@@ -81,7 +81,7 @@ def build_setup(c: Config, device: torch.device,
     loss_fn = token_loss_fn(spec.local_batch_size * t.seq_len // dims.cp, c.model.compile)
     microbatches = c.parallel.pp_microbatches or spec.num_micro_batches
     model, pipeline, tied = build_model(c, meshes, device, microbatches, loss_fn, materialize)
-    set_sequences_per_step([model] if pipeline is None else pipeline.parts, spec.local_batch_size)  # MoE aux loss
+    configure_moe([model] if pipeline is None else pipeline.parts, spec.local_batch_size, meshes.cp_tp, dims.cp)
     with materialize or contextlib.nullcontext():
         optimizer = build_optimizer(model, c.optim)
         scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)

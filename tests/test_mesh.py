@@ -124,6 +124,22 @@ def test_cp_sits_between_dp_shard_and_tp_and_fsdp_shards_over_dp_shard_x_cp(fake
     assert meshes.dp.mesh.tolist() == [base + c["cp"] * 2 + d * 4 for d in range(2)]  # data: dp only
 
 
+@pytest.mark.parametrize("rank", [0, 5])
+def test_ep_borrows_tp_then_cp_then_dp_shard_ranks(fake_world, rank):
+    """8 ranks, dp_shard=2 cp=2 tp=2: ep neighbours are consecutive ranks of dp_shard x cp x tp
+    (ep2: the tp pair; ep4: cp x tp), expert_dp the rest; cp_tp the ranks that split a sequence."""
+    fake_world(rank=rank, world_size=8)
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=1, cp=2)
+    first = rank // 2 * 2
+    meshes = build_mesh(dims, "cpu", ep=2)
+    assert meshes.ep.mesh.tolist() == [first, first + 1] and meshes.tp.mesh.tolist() == [first, first + 1]
+    assert meshes.expert_dp.mesh.tolist() == [rank % 2 + 2 * i for i in range(4)]
+    assert meshes.cp_tp.mesh.tolist() == [rank // 4 * 4 + i for i in range(4)]
+    meshes = build_mesh(dims, "cpu", ep=4)
+    assert meshes.ep.mesh.tolist() == meshes.cp_tp.mesh.tolist()
+    assert meshes.expert_dp.mesh.tolist() == [rank % 4, rank % 4 + 4]
+
+
 def test_hsdp_with_cp_replicates_the_dp_shard_x_cp_shards(fake_world):
     fake_world(rank=0)
     meshes = build_mesh(ParallelDims(dp_replicate=2, dp_shard=2, tp=2, pp=1, cp=2), "cpu")

@@ -1,6 +1,7 @@
 """Expert parallelism (parallel3d/parallel/expert.py): every layout trains the tiny MoE to the
 losses, gradient norms, aux losses, expert loads and final weights of one process; the planner's
-model-state bytes are exact (``Parity.run``); validation refuses what is not supported."""
+model-state bytes are exact (``Parity.run``); validation refuses what is not supported. ep2 x tp2
+and ep2 x cp2 borrow the tp and cp ranks for ep (parallel/expert.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ LAYOUTS = {  # name: (ranks, overrides)
     "ep4-dp4-zero3": (4, ["parallel.ep=4", "parallel.zero_stage=3"]),
     "ep2-dp4-zero2": (4, ["parallel.ep=2", "parallel.zero_stage=2"]),  # experts averaged over 2 expert-dp ranks
     "ep2-dp2-pp2": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"]),
+    # ep borrows the tp ranks: each routes its sequence shard; router replicated over tp (dp2)
+    "ep2-tp2-dp2-zero3": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=8"]),
+    # ep borrows the cp ranks: the aux loss adds up each sequence's counts over cp (dp2)
+    "ep2-cp2-dp2-zero3": (4, ["parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=3", "train.micro_batch_size=8"]),
 }
 
 
@@ -56,7 +61,8 @@ def test_expert_parallel_layout_trains_like_one_process(parity, moe_reference, n
     (["parallel.ep=2"], 2, "parallel.ep"),  # a dense model has no experts
     ([*MOE, "parallel.ep=3"], 3, "parallel.ep"),  # 8 experts
     ([*MOE, "parallel.ep=4", "parallel.dp_shard=2", "parallel.pp=2"], 4, "parallel.ep"),  # ep > dp_shard
-    ([*MOE, "parallel.tp=2"], 2, "parallel.tp"),
+    ([*MOE, "parallel.tp=2", "parallel.sequence_parallel=false"], 2, "parallel.sequence_parallel"),
+    ([*MOE, "parallel.ep=4", "parallel.tp=2", "parallel.dp_shard=1"], 2, "parallel.ep"),  # ep > dp_shard x cp x tp
     ([*MOE, "model.moe.top_k=9"], 1, "model.moe.top_k"),
     ([*MOE, "model.moe.router=topk"], 1, "model.moe.router"),
     (["model.qk_norm=true", "parallel.tp=2"], 2, "parallel.tp"),

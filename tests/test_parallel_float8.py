@@ -58,6 +58,13 @@ def test_block_linears_convert_and_the_head_does_not():
     assert names == [f"layers.{i}.{layer}" for i in range(4) for layer in BLOCK_LINEARS]
 
 
+def test_moe_routers_stay_in_high_precision():
+    """The router's scores choose the experts (and under tp it multiplies with its weight itself)."""
+    names = converted([*FLOAT8, "model=tiny_moe", "model.moe.shared_experts=1"])
+    assert not any(name.endswith("router.gate") for name in names)
+    assert "layers.0.feed_forward.shared.w1" in names
+
+
 def test_dims_not_divisible_by_16_are_skipped():
     names = converted([*FLOAT8, "model.ffn_dim=200"])  # w1/w3 make 200 outputs, w2 takes 200 inputs
     assert names == [f"layers.{i}.attention.{w}" for i in range(4) for w in ("wq", "wk", "wv", "wo")]

@@ -9,12 +9,20 @@ Where the sorted tokens are computed is the ``dispatch``'s business: here, on th
 expert parallelism (``parallel3d.parallel.expert``) an all-to-all sends them to the rank holding
 their expert and brings the results back.
 
+Token-local: under context parallelism and under tensor parallelism's sequence split, each rank
+routes the tokens of its own piece of every sequence (``sequence_group``: the cp x tp ranks that
+split a sequence). Router and experts are then replicated over tp (DTensors on the tp mesh that
+forward uses as local tensors, see ``token_local``), and their gradients are partial sums over
+those ranks' tokens, which the data-parallel wrapper (or ``optim.settle_gradients``) adds up.
+
 Load balancing:
 * ``aux_loss_coef``: a sequence-wise balance loss (DeepSeek-V3 eq. 17-20), ``E/(K*S) * sum_i
   count_i * mean_prob_i`` per sequence, averaged over the step's sequences. Computed per sequence it
   is the same in every layout (a batch-wide loss would depend on the micro batch). It joins the
   training loss through its gradient (``AuxLossGradient``), so no schedule or loss function needs to
-  know about it; metrics report it as ``aux_loss``.
+  know about it; metrics report it as ``aux_loss``. When ranks split each sequence, they add up
+  each sequence's expert counts first (one small all-reduce over ``sequence_group`` per block and
+  micro batch), so every rank's part is exact and the parts sum to one process's loss.
 * ``router=sigmoid``: DeepSeek-V3's aux-loss-free balancing: a per-expert bias, added to the scores
   for choosing experts only, moves by ``bias_update_rate`` after each step towards even load.
 """
@@ -24,10 +32,11 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parallel3d.config import ModelConfig, MoEConfig
 
@@ -41,6 +50,15 @@ def expert_hidden(cfg: ModelConfig) -> int:
     return cfg.moe.expert_ffn_dim or cfg.ffn_dim
 
 
+def token_local(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as a plain tensor for computing on this rank's tokens. A DTensor replicated over a
+    mesh whose ranks hold different tokens (tp under sequence parallelism) gets a gradient that is
+    this rank's partial sum: marked ``Partial``, so it is summed over the mesh before use."""
+    if not isinstance(weight, DTensor):
+        return weight
+    return weight.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in weight.placements])
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, moe: MoEConfig):
         super().__init__()
@@ -51,7 +69,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(n, d) tokens -> routing weights (n, k), chosen experts (n, k), scores (n, E) summing to 1."""
-        logits = self.gate(x).float()
+        logits = F.linear(x, token_local(self.gate.weight)).float()
         if self.moe.router == "softmax":
             scores = logits.softmax(dim=-1)
             weights, chosen = scores.topk(self.moe.top_k, dim=-1)
@@ -93,7 +111,7 @@ class GroupedExperts(nn.Module):
     def local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's experts (all of them without expert parallelism), in the compute dtype (data
         parallelism's mixed precision does not cast them under expert parallelism: it ignores them)."""
-        out = [(w.to_local() if isinstance(w, DTensor) else w).to(dtype) for w in (self.w1, self.w2, self.w3)]
+        out = [token_local(w).to(dtype) for w in (self.w1, self.w2, self.w3)]
         if self.grad_scale != 1.0:
             out = [ScaleGradient.apply(w, self.grad_scale) for w in out]
         return out[0], out[1], out[2]
@@ -156,9 +174,15 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.moe.num_experts, cfg.dim, expert_hidden(cfg))
         self.shared = shared
         self.dispatch: Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor] = local_dispatch
-        # Set by the trainer: the sequences one rank trains on per step (the aux loss is a mean
-        # over the step's sequences, and data-parallel gradients are averaged over ranks).
+        # Set by the trainer (``parallel.expert.configure_moe``): the sequences one data-parallel
+        # rank trains on per step (the aux loss is a mean over the step's sequences); the ranks
+        # that split each sequence (cp x tp, None: this rank holds whole sequences); and the
+        # factor on the aux loss's gradient that undoes the gradient average over cp ranks, which
+        # hold parts of one data-parallel rank's sequences, not sequences of their own.
         self.sequences_per_step = 1
+        self.sequence_group = None
+        self.sequence_split = 1
+        self.aux_grad_scale = 1.0
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -193,27 +217,36 @@ class MoE(nn.Module):
         routed = self.dispatch(flat[token], counts, self.experts)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(flat).index_add_(0, token, routed)
-        if self.shared is not None:
-            out = out + self.shared(flat)
         out = out.view(batch, seq, dim)
-        aux = self.balance_loss(chosen, scores, batch, seq) if self.moe.aux_loss_coef > 0 else None
+        if self.shared is not None:  # (b, s, d): tensor parallelism splits it as a dense feed-forward
+            out = out + self.shared(x)
+        # Only where it is trained: evaluation and the pipeline's shape inference skip its all-reduce.
+        aux = None
+        if self.moe.aux_loss_coef > 0 and torch.is_grad_enabled():
+            aux = self.balance_loss(chosen, scores, batch, seq)
         # Count training forwards once: not evaluation or the pipeline's shape inference (no grad),
         # not activation checkpointing's replay of forward in backward.
         if torch.is_grad_enabled() and not _recomputing() and not is_fake(counts):
             aux_value = torch.zeros((), dtype=torch.float64) if aux is None else aux.detach().to("cpu", torch.float64)
             self.forward_stats.append((counts.detach().to("cpu", torch.float64), aux_value))
-        if aux is not None and torch.is_grad_enabled():
-            out = AuxLossGradient.apply(out, aux)
+        if aux is not None:
+            out = AuxLossGradient.apply(out, aux * self.aux_grad_scale)
         return out
 
     def balance_loss(self, chosen: torch.Tensor, scores: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         """Sequence-wise balance loss of this micro batch, weighted by ``aux_loss_coef`` and
-        divided by the rank's sequences per step (its share of the step's mean)."""
+        divided by the rank's sequences per step (its share of the step's mean). When ranks split
+        each sequence, the loss is bilinear in (counts, scores) summed over the whole sequence: the
+        counts (no gradient) are summed over the ranks first, the scores stay local, so each rank
+        returns its tokens' part, with its tokens' gradient, and the parts add up to the loss."""
         E, K = self.moe.num_experts, self.moe.top_k
         picked = F.one_hot(chosen.view(batch, seq * K), E).sum(dim=1).float()  # (batch, E)
-        load = picked * (E / (K * seq))
-        mean_score = scores.view(batch, seq, E).mean(dim=1)
-        per_sequence = (load * mean_score).sum(dim=-1)
+        if self.sequence_group is not None:
+            dist.all_reduce(picked, group=self.sequence_group)
+        whole = seq * self.sequence_split  # tokens of a whole sequence
+        load = picked * (E / (K * whole))
+        score_share = scores.view(batch, seq, E).sum(dim=1) / whole  # this rank's part of the mean score
+        per_sequence = (load * score_share).sum(dim=-1)
         return self.moe.aux_loss_coef * per_sequence.sum() / self.sequences_per_step
 
 

@@ -81,7 +81,8 @@ def parallelize(model: nn.Module, meshes: Meshes, plan: ParallelPlan) -> None:
         apply_tensor_parallel(model, meshes.tp, plan.sequence_parallel, float8=float8_tp)
     if meshes.cp is not None:
         apply_context_parallel(model, meshes.cp, plan.cp_method)
-    experts = apply_expert_parallel(model, meshes.ep) if meshes.ep is not None else set()
+    tp = meshes.tp.size() if meshes.tp is not None else 1
+    experts = apply_expert_parallel(model, meshes.ep, tp) if meshes.ep is not None else set()
     apply_activation_checkpointing(model, plan.activation.mode, plan.activation.every)
     if plan.compile:
         compile_blocks(model)

@@ -1,18 +1,20 @@
 """Expert parallelism: the experts of each MoE block split over ``parallel.ep`` ranks.
 
-The ep ranks are borrowed from the data-parallel ones (torchtitan's choice): ep divides
-dp_shard, and ep neighbours are consecutive dp_shard ranks. Each ep rank routes its own tokens;
-an all-to-all sends every token copy to the rank that holds its expert, that rank runs its experts
-on what it received, and a second all-to-all brings the results back, in the order they left.
-Backward is the same exchange in reverse (``AllToAll``).
+The ep ranks are borrowed from the ranks that hold different tokens of one pipeline stage:
+dp_shard x cp x tp (torchtitan's choice, with experts not tensor-parallel: ETP=1). Their
+flattened view, tp innermost, is unflattened into (expert_dp, ep): ep neighbours are consecutive
+ranks, so ep takes tp ranks first, then cp, then dp_shard ones. Each ep rank routes its own
+tokens (under cp and sequence-parallel tp, those of its piece of each sequence); an all-to-all
+sends every token copy to the rank that holds its expert, that rank runs its experts on what it
+received, and a second all-to-all brings the results back, in the order they left. Backward is the
+same exchange in reverse (``AllToAll``).
 
-Gradients: an expert sees the tokens of all ep ranks, so its gradient already sums the losses of
-ep ranks, which data parallelism would otherwise average: ``grad_scale = 1/ep`` makes it that
-average. Across the ranks left over (dp / ep of them, "expert data parallel"), which hold the same
-experts, ``sync_expert_gradients`` averages the gradients, as DDP does: expert weights are
-replicated over those ranks, not FSDP-sharded (FSDP ignores them; see docs/moe.md).
-
-Tensor parallelism does not meet experts yet: validation refuses tp > 1 with MoE.
+Gradients: an expert sees the tokens of all ep ranks, so its gradient sums their parts of the
+loss. Data parallelism averages gradients over the dp x cp ranks (each a whole loss of its own),
+while tp ranks' tokens are parts of one such loss, to be summed. Over the ``expert_dp`` ranks
+(the rest of dp x cp x tp, which hold the same experts) ``sync_expert_gradients`` averages, as
+DDP does: with ``grad_scale = tp / ep`` the result is the dp x cp average of every rank's sum.
+Expert weights are replicated over expert_dp, not FSDP-sharded (FSDP ignores them; docs/moe.md).
 """
 
 from __future__ import annotations
@@ -66,9 +68,10 @@ class AllToAllDispatch:
         return AllToAll.apply(out, send, recv, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> set[nn.Parameter]:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp: int = 1) -> set[nn.Parameter]:
     """Split the experts of ``model``'s MoE blocks (still on meta) over ``ep_mesh`` along the
-    expert dim; returns their parameters (data parallelism must leave them to ``sync_expert_gradients``)."""
+    expert dim; returns their parameters (data parallelism must leave them to ``sync_expert_gradients``).
+    ``tp``: the tensor-parallel degree (its ranks' tokens are parts of one loss: module docstring)."""
     params: set[nn.Parameter] = set()
     for block in model.layers.values():
         if not isinstance(block.feed_forward, MoE):
@@ -76,10 +79,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> set[nn.Param
         moe = block.feed_forward
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            sharded = nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None))
+            whole = param.to_local().detach() if isinstance(param, DTensor) else param  # tp replicated: whole
+            sharded = nn.Parameter(distribute_tensor(whole, ep_mesh, [Shard(0)], src_data_rank=None))
             experts.register_parameter(name, sharded)
             params.add(sharded)
-        experts.grad_scale = 1.0 / ep_mesh.size()
+        experts.grad_scale = tp / ep_mesh.size()
         moe.dispatch = AllToAllDispatch(ep_mesh)
     return params
 
@@ -101,12 +105,18 @@ def sync_expert_gradients(model: nn.Module, expert_dp: DeviceMesh | None) -> Non
         torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
-def set_sequences_per_step(parts: list[nn.Module], sequences: int) -> None:
-    """The aux loss of each MoE block is a mean over the ``sequences`` a rank trains on per step."""
+def configure_moe(parts: list[nn.Module], sequences: int, sequence_mesh: DeviceMesh | None, cp: int) -> None:
+    """What each MoE block's aux loss needs: the ``sequences`` a data-parallel rank trains on per
+    step (the loss is their mean), the ranks that split each sequence (``sequence_mesh``: cp x tp,
+    flattened), and ``cp``: data parallelism averages gradients over cp ranks as if each held
+    sequences of its own, so each one's part of the loss counts cp times in its gradient."""
     for part in parts:
         for module in part.modules():
             if isinstance(module, MoE):
                 module.sequences_per_step = sequences
+                module.sequence_group = sequence_mesh.get_group() if sequence_mesh is not None else None
+                module.sequence_split = sequence_mesh.size() if sequence_mesh is not None else 1
+                module.aux_grad_scale = float(cp)
 
 
 def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, micro_batches: int, world_group_size: int, dp: int,
@@ -156,20 +166,18 @@ def check_experts(m, p) -> None:
                           "choose top_k <= model.moe.num_experts")
     if moe.router not in ("softmax", "sigmoid"):
         raise ConfigError("model.moe.router", moe.router, "unknown router", "use softmax or sigmoid")
-    if moe.num_experts and p.tp > 1:
-        raise ConfigError("parallel.tp", p.tp, "experts are not tensor-parallel yet",
-                          "use parallel.tp=1 with model.moe.num_experts > 0 (split experts with parallel.ep)")
-    if moe.num_experts and p.cp > 1:  # not built yet: each cp rank would route and balance part of a sequence
-        raise ConfigError("parallel.cp", p.cp, "context parallelism is not supported with mixture-of-experts models "
-                          "(the aux loss is a mean over whole sequences)", "use parallel.cp=1 with model.moe.num_experts > 0")
+    if moe.num_experts and p.tp > 1 and not p.sequence_parallel:  # each tp rank routes its sequence shard
+        raise ConfigError("parallel.sequence_parallel", False, "mixture-of-experts blocks under tensor parallelism "
+                          "route each tp rank's sequence shard", "set parallel.sequence_parallel=true with parallel.tp > 1")
     if p.ep == 1:
         return
     if not moe.num_experts or moe.num_experts % p.ep:
         raise ConfigError("parallel.ep", p.ep, f"splits model.moe.num_experts={moe.num_experts} over ep ranks "
                           "and must divide it", f"choose parallel.ep from {divisors(moe.num_experts or 1)}")
-    if p.ep < 1 or p.dp_shard % p.ep:
-        raise ConfigError("parallel.ep", p.ep, f"borrows its ranks from parallel.dp_shard={p.dp_shard} and must "
-                          "divide it", f"choose parallel.ep from {divisors(p.dp_shard)}")
+    pool = p.dp_shard * p.cp * p.tp
+    if p.ep < 1 or pool % p.ep:
+        raise ConfigError("parallel.ep", p.ep, f"borrows its ranks from parallel.dp_shard x cp x tp={pool} and must "
+                          "divide it", f"choose parallel.ep from {divisors(pool)}")
     if m.compile:
         raise ConfigError("model.compile", True, "expert parallelism's all-to-all takes its split sizes from "
                           "the routing (a graph break per block)", "set model.compile=false with parallel.ep > 1")

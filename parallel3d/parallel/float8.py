@@ -9,6 +9,7 @@ are unchanged (float32), so the model state a planner counts is the same as with
 Which linears are converted (``convert_filter``):
   - never the output head: the vocabulary projection feeds the loss, where float8's error costs
     most (torchtitan and torchao skip it as well);
+  - never a MoE router (``router.gate``): its scores choose the experts;
   - never a layer whose dims are not multiples of 16 (``torch._scaled_mm`` requires it);
   - with ``train.float8_skip_small`` (default), not the layers torchao's H100 measurements say
     run slower in float8 (``torchao.float8._auto_filter_for_recipe``); every other layer of a
@@ -41,6 +42,9 @@ from parallel3d.base import ConfigError, resolve_device
 
 RECIPES = ("none", "tensorwise", "rowwise")
 SKIPPED_MODULES = ("output",)  # fully qualified names never converted (the vocabulary head)
+# MoE routers stay in high precision: their scores pick experts (torchtitan skips them too), and
+# models.moe.Router multiplies with the weight directly (it may be a tp-replicated DTensor).
+ROUTER = "router.gate"
 
 
 def torchao_available() -> bool:
@@ -74,7 +78,7 @@ def convert_filter(recipe: str, skip_small: bool):
     by_torchao = _auto_filter_for_recipe(recipe, filter_fqns=list(SKIPPED_MODULES))
 
     def convert(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear) or fqn in SKIPPED_MODULES:
+        if not isinstance(module, nn.Linear) or fqn in SKIPPED_MODULES or fqn.endswith(ROUTER):
             return False
         if skip_small:
             return by_torchao(module, fqn)

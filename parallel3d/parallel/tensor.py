@@ -24,6 +24,14 @@ activation memory). Without it the residual stream is replicated and wo/w2 all-r
 Every parameter of a tensor-parallel model is a DTensor on the tp mesh, the norms' included: the
 optimizer's multi-tensor kernels (fused AdamW, and foreach, torch's default on CUDA) take one list
 of tensors and refuse DTensors mixed with plain tensors.
+
+Mixture-of-experts blocks (sequence parallelism required): the router and the routed experts are
+not split (torchtitan's ETP=1). Each tp rank routes the tokens of its own sequence shard
+(``TokenLocal``: the input stays this rank's shard, the output is this rank's shard of the
+residual), so no activation is gathered for them; their weights are replicated over tp and their
+gradients, partial sums over the shards, are summed (``models.moe.token_local``). Shared experts
+are a dense feed-forward and split as one (colwise w1/w3, rowwise w2, the sequence gathered).
+Expert parallelism may borrow the tp ranks (``parallel.expert``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from parallel3d.models.moe import MoE
 from parallel3d.parallel.float8 import float8_block_plan
 
 
@@ -101,6 +110,43 @@ BLOCK_SPLITS = {
 }
 
 
+class TokenLocal(ParallelStyle):
+    """A module that computes on this rank's sequence shard with weights replicated over tp (a
+    MoE's router and experts): parameters become replicated DTensors, which the module uses as
+    local tensors with partial gradients; its Shard(1) input becomes this rank's plain shard and
+    its output, a plain tensor, is this rank's shard of the residual. Submodules that have a plan
+    of their own (``skip``) are left to it."""
+
+    def __init__(self, skip: tuple[str, ...] = ()):
+        super().__init__()
+        self.skip = skip
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Not distribute_module: it would also replicate what is left to other plans, and buffers
+        # (the sigmoid router's bias stays a plain tensor, equal on every rank).
+        for name, sub in module.named_modules():
+            if any(name == s or name.startswith(s + ".") for s in self.skip):
+                continue
+            for p_name, param in sub.named_parameters(recurse=False):
+                if not isinstance(param, DTensor):
+                    sub.register_parameter(p_name, nn.Parameter(
+                        DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)))
+        module.register_forward_pre_hook(
+            lambda mod, inputs: tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs))
+        return module
+
+
+def moe_feed_forward_plan(moe: MoE) -> dict:
+    """A MoE feed-forward under sequence parallelism (see the module docstring)."""
+    plan = {"feed_forward": TokenLocal(skip=("shared",))}
+    if moe.shared is not None:
+        plan |= {"feed_forward.shared": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                           desired_input_layouts=(Replicate(),)),
+                 "feed_forward.shared.w1": ColwiseParallel(), "feed_forward.shared.w3": ColwiseParallel(),
+                 "feed_forward.shared.w2": RowwiseParallel(output_layouts=Shard(1))}
+    return plan
+
+
 def outer_splits(tied: bool) -> dict[str, int | None]:
     """The embedding, final norm and output projection's split dims (see ``outer_plan``): a tied
     embedding is the output projection too, split over the vocabulary; an untied one over its dim."""
@@ -113,7 +159,8 @@ def residual_layout(sequence_parallel: bool):
     return Shard(1) if sequence_parallel else Replicate()
 
 
-def block_plan(sequence_parallel: bool) -> dict:
+def block_plan(sequence_parallel: bool, moe: MoE | None = None) -> dict:
+    """A transformer block's plan; ``moe``: its feed-forward is that mixture of experts."""
     residual = residual_layout(sequence_parallel)
     plan = {name: ColwiseParallel() if dim == 0 else RowwiseParallel(output_layouts=residual)
             for name, dim in BLOCK_SPLITS.items() if dim is not None}
@@ -128,7 +175,10 @@ def block_plan(sequence_parallel: bool) -> dict:
         "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
     }
     norm = SequenceParallel() if sequence_parallel else ReplicateParallel()
-    return plan | {"attention_norm": norm, "ffn_norm": norm}
+    plan |= {"attention_norm": norm, "ffn_norm": norm}
+    if moe is not None:  # validation requires sequence parallelism: each rank routes its own tokens
+        plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")} | moe_feed_forward_plan(moe)
+    return plan
 
 
 def outer_plan(sequence_parallel: bool, tied: bool) -> dict:
@@ -163,5 +213,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             output_layouts=residual_layout(sequence_parallel), desired_output_layouts=Replicate(),
             use_local_output=False))
     for block in model.layers.values():
-        plan = block_plan(sequence_parallel)
+        moe = block.feed_forward if isinstance(block.feed_forward, MoE) else None
+        plan = block_plan(sequence_parallel, moe)
         parallelize_module(block, tp_mesh, float8_block_plan(block, plan) if float8 else plan)

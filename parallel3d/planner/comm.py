@@ -43,7 +43,9 @@ When the code communicates (see ``parallel/data.py`` and torch's pipelining stag
   block). What a rank must send is the copies routed to experts elsewhere: (ep-1)/ep of them under
   balanced routing, the minimum any routing needs on average, and what is counted. FSDP ignores
   expert weights; their gradients are all-reduced once per step over the ``expert_dp`` ranks
-  (dp / ep) that hold the same experts.
+  (dp x cp x tp / ep) that hold the same experts. Under cp and tp each rank routes its shard of the
+  sequence (b·s/(cp·tp) tokens). (Not counted: the aux loss's per-sequence expert counts, summed
+  over cp x tp, b·experts int64 values per MoE block and micro batch.)
 """
 
 from __future__ import annotations
@@ -159,7 +161,10 @@ def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, lay
         mode = checkpointed(layer, layout)
         regathers += 2 if mode in ("full", "op") else 0
         rereductions += 1 if mode == "full" else 0
-    n = 2 * len(stage.blocks)
+    # MoE blocks route each rank's sequence shard: their feed-forward gathers nothing, unless its
+    # shared experts (split as a dense one) need the whole sequence.
+    moe_blocks = sum(model.is_moe(layer) for layer in stage.blocks)
+    n = 2 * len(stage.blocks) - (0 if model.shared_experts else moe_blocks)
     # The output projection gathers its input (SP) and reduces its input's gradient. A tied
     # embedding, split over the vocabulary, reduces its output; an untied one, split over its dim,
     # sends each rank's slice of every token to the token's sequence shard and back (all-to-all;
@@ -178,7 +183,10 @@ def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, lay
         elif untied_first:
             out["all_to_all"] += 2 * mb * ring("all_to_all", res / t, t)
         norms = 2 * len(stage.blocks) + stage.last  # replicated norm weights, partial gradients
-        out["all_reduce"] += norm_reductions * ring("all_reduce", norms * model.dim * MASTER_BYTES, t)
+        # and the MoE weights replicated over tp: the router, the experts unless ep splits them
+        experts = 0 if layout.ep > 1 else 3 * model.num_experts * model.expert_ffn_dim
+        replicated = norms * model.dim + moe_blocks * (model.num_experts + experts) * model.dim
+        out["all_reduce"] += norm_reductions * ring("all_reduce", replicated * MASTER_BYTES, t)
     else:
         out["all_reduce"] += mb * ((n + rereductions) * ring("all_reduce", act, t)
                                    + norm_side * ring("all_reduce", res, t))
@@ -204,10 +212,11 @@ def _pipeline(out: dict[str, float], model: ModelShape, stages: list[Stage], lay
 
 def _expert_parallel(out: dict, model: ModelShape, stages: list[Stage], layout: Layout) -> None:
     moe_blocks = sum(model.is_moe(layer) for stage in stages for layer in stage.blocks)
-    copies = layout.micro_batch_size * layout.seq_len * model.top_k * model.dim * layout.compute_bytes
+    tokens = layout.micro_batch_size * layout.seq_len // (layout.cp * layout.tp)  # a rank routes its shard
+    copies = tokens * model.top_k * model.dim * layout.compute_bytes
     exchanges = 4 + 2 * (layout.activation_checkpoint == "full")  # dispatch + combine, forward and backward
     out["ep"]["all_to_all"] += layout.micro_batches * moe_blocks * exchanges * ring("all_to_all", copies, layout.ep)
-    expert_dp = layout.dp // layout.ep
+    expert_dp = layout.dp * layout.cp * layout.tp // layout.ep
     experts = sum(count * spec.numel // layout.ep for stage in stages for spec, count in stage.counted_params(model)
                   if spec.expert)
     out["expert_dp"]["all_reduce"] += ring("all_reduce", experts * MASTER_BYTES, expert_dp)

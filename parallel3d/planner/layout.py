@@ -92,7 +92,7 @@ class Layout(ParallelDims):
     device: str = "cuda"  # whose kernels the activation model counts (cpu: composite RMSNorm, ...)
     document_masking: bool = False  # data.document_masking: attention keeps a (b, 1, s, s) mask
     reset_positions: bool = False  # data.reset_positions: each block gathers per-token RoPE tables
-    ep: int = 1  # expert parallelism: experts split over ep dp_shard ranks, replicated over the rest
+    ep: int = 1  # expert parallelism: experts split over ep ranks of dp_shard x cp x tp, replicated over the rest
 
     @classmethod
     def from_config(cls, cfg, device: str | None = None) -> "Layout":

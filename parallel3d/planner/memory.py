@@ -66,7 +66,7 @@ def param_state(spec: ParamSpec, layout: Layout, dp_rank: int = 0) -> ModelState
     shape = tp_local_shape(spec, layout.tp)
     rows, row_numel = shape[0], math.prod(shape[1:])
     n = layout.shards
-    if spec.expert and layout.ep > 1:  # split over ep, replicated over the other dp ranks (parallel/expert.py)
+    if spec.expert and layout.ep > 1:  # split over ep, replicated over expert_dp (parallel/expert.py)
         rows, n = rows // layout.ep, 1
     local = chunk_rows(rows, n, dp_rank % n) * row_numel * MASTER_BYTES
     return ModelState(local, local, ADAM_MOMENTS * local + ADAM_STEP_BYTES)

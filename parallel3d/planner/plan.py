@@ -37,11 +37,11 @@ class Hardware:
 def group_spans(layout: Layout) -> dict[str, int]:
     """Consecutive ranks each group's members spread over; the mesh is (pp, dp_replicate,
     dp_shard, cp, tp), tp innermost, so tp groups are neighbours and pp groups span the world; ep
-    splits the data-parallel ranks (not with cp), so its groups span tp x ep ranks."""
+    groups are ep consecutive ranks of dp_shard x cp x tp (``mesh.build_mesh``)."""
     t, tc = layout.tp, layout.tp * layout.cp
     return {"tp": t, "cp": tc, "dp_shard": tc * layout.dp_shard, "dp_shard_cp": tc * layout.dp_shard,
             "dp": tc * layout.dp, "dp_cp": tc * layout.dp, "dp_replicate": tc * layout.dp, "pp": layout.world_size,
-            "ep": t * layout.ep, "expert_dp": t * layout.dp}
+            "ep": layout.ep, "expert_dp": tc * layout.dp}
 
 
 @dataclass
