@@ -115,6 +115,18 @@ def relative_error(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """A test that leaves the default process group up fails here, not the in-process tests after it
+    (which could not start their own: "trying to initialize the default process group twice")."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left the default process group initialized: destroy it where it was created")
+
+
 @pytest.fixture(scope="session")
 def runs_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")

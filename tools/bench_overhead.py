@@ -63,6 +63,8 @@ def ours_records(overrides: list[str], run_dir: Path) -> list[dict]:
     the metrics.jsonl it wrote."""
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         train(compose([*overrides, f"run_dir={run_dir}"]))
+    if torch.distributed.is_initialized():  # below float32 one process has a group of one rank (mesh.py)
+        torch.distributed.destroy_process_group()  # which run_job, not train(), tears down
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
