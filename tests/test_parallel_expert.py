@@ -148,21 +148,6 @@ def test_dry_run_sends_the_planned_all_to_all_bytes():
     assert counts_exchange < planned and report.comm["ep"]["all_to_all"].sent_bytes == planned
 
 
-def test_dry_run_shards_the_experts_over_expert_dp_as_planned():
-    """ep2 x dp4, ZeRO-3: the experts' own FSDP units gather and reduce-scatter over the 2 ranks
-    holding the same experts exactly the bytes the planner counts."""
-    from parallel3d.dryrun import dry_run
-    from parallel3d.planner import predict
-
-    overrides = [*FAST, *MOE, "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=2",
-                 "run_dir=/nonexistent"]
-    [report] = dry_run(overrides, 4, [0])
-    cfg = compose(overrides)
-    check(cfg, 4)
-    planned = predict(cfg, 4).comm_bytes["expert_dp"]
-    assert {kind: c.sent_bytes for kind, c in report.comm["expert_dp"].items()} == planned
-
-
 def test_hugging_face_weights_load_into_sharded_experts(parity, moe_reference):
     """A checkpoint exported in Qwen3-MoE's layout (one tensor per expert) starts ep2 x dp4, where each
     rank reads half of its ep rank's experts (FSDP over expert_dp), where it starts one process."""
@@ -185,18 +170,21 @@ def test_hugging_face_weights_load_into_sharded_experts(parity, moe_reference):
     assert single.losses[0] < moe_reference.losses[0] - 1.0  # trained weights, not a fresh init
 
 
-def test_dry_run_sums_the_aux_loss_counts_over_cp_as_planned():
-    """cp2: each MoE block forward all-reduces its sequences' expert counts (b x 8 float32) over the
-    two ranks that split them: the bytes the planner counts (4 blocks; cp ranks hold the same
-    sequences: 8 micro batches of 2)."""
+def test_dry_run_shards_the_experts_and_sums_the_aux_counts_as_planned():
+    """ep2 x cp2 x dp2, ZeRO-3 (ep takes the cp ranks, expert_dp the dp ones): the experts' own FSDP
+    units gather and reduce-scatter over expert_dp, and each MoE block forward all-reduces its
+    sequences' expert counts (b x 8 float32) over cp, exactly the bytes the planner counts."""
     from parallel3d.dryrun import dry_run
     from parallel3d.planner import predict
 
-    overrides = [*FAST, *MOE, "parallel.cp=2", "train.micro_batch_size=2", "run_dir=/nonexistent"]
-    [report] = dry_run(overrides, 2, [0])
+    overrides = [*FAST, *MOE, "parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=3",
+                 "train.micro_batch_size=2", "run_dir=/nonexistent"]
+    [report] = dry_run(overrides, 4, [0])
     cfg = compose(overrides)
-    check(cfg, 2)
-    planned = predict(cfg, 2).comm_bytes["cp"]["all_reduce"]
-    assert planned == 8 * 4 * 2 * (2 * 8 * 4) * (2 - 1) / 2  # a ring all-reduce sends 2 S (n-1)/n
-    grad_norm = 2 * (43 * 4) * (2 - 1) / 2  # scalars, left out by the planner: a float32 per gradient
-    assert report.comm["cp"]["all_reduce"].sent_bytes == planned + grad_norm  # (FSDP shards over cp)
+    check(cfg, 4)
+    planned = predict(cfg, 4).comm_bytes
+    assert {kind: c.sent_bytes for kind, c in report.comm["expert_dp"].items()} == planned["expert_dp"]
+    assert set(planned["expert_dp"]) == {"all_gather", "reduce_scatter"}
+    # 4 blocks x 4 micro batches (8 sequences per dp rank) x a ring all-reduce of 2 x 8 float32 on 2 ranks
+    assert planned["cp"]["all_reduce"] == 4 * 4 * 2 * (2 * 8 * 4) * (2 - 1) / 2
+    assert report.comm["cp"]["all_reduce"].sent_bytes == planned["cp"]["all_reduce"]
