@@ -18,7 +18,9 @@ Nothing is unpickled on load: tensors and their sharding come from safetensors, 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -244,6 +246,23 @@ class Checkpointer:
         _finish_load(copies)
 
 
+@contextlib.contextmanager
+def _quiet_gathers():
+    """Experts sharded twice along dim 0 (FSDP over expert_dp, then ep) take two all-gathers to
+    collect, and DTensor warns that sequential collectives "may give inconsistent results between
+    ranks": true of reductions, not of gathers, which copy. Drop that warning while gathering."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "sequential all_gather" not in record.getMessage()
+
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 @torch.no_grad()
 def _finish_load(copies) -> None:
     for dest, src in copies:
@@ -275,7 +294,8 @@ def save_full_model(parts: list[nn.Module], pp_mesh, path: Path, is_rank0: bool)
 
     full = {}
     for part in parts:  # full_state_dict gathers each stage's FSDP / TP shards (a collective)
-        part_state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        with _quiet_gathers():
+            part_state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         full.update({k: v.detach().cpu() for k, v in part_state.items()})
     if pp_mesh is not None:
         stage_states = [None] * pp_mesh.size()

@@ -138,7 +138,11 @@ def _views(meshes: Meshes, dims: ParallelDims, ep: int, names: tuple[str, ...]) 
         pool = meshes.dp if pool_names == dp_names else _flat(world, pool_names, "dp_cp_tp")
         split = pool._unflatten(0, (pool.size() // ep, ep), ("expert_dp", "ep"))
         meshes.ep = split["ep"]
-        meshes.expert_dp = split["expert_dp"] if pool.size() > ep else None
+        if pool.size() > ep:
+            meshes.expert_dp = split["expert_dp"]
+            # The experts' FSDP units make them DTensors over (expert_dp, ep): registered flat, DTensor
+            # reduces their gradient norm in one all-reduce, not one per dim.
+            split[("expert_dp", "ep")]._flatten("expert_dp_ep")
     return meshes
 
 

@@ -28,7 +28,7 @@ from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync
-from parallel3d.parallel.expert import configure_moe, sync_expert_gradients
+from parallel3d.parallel.expert import configure_moe
 from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
 
@@ -131,7 +131,6 @@ def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor,
     loss_sum = torch.zeros((), device=s.device)
     for loss in losses:
         loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
-    sync_expert_gradients(s.model, s.meshes.expert_dp)  # expert parallelism: data parallelism ignores experts
     # The optimizer's list is the model's trainable parameters, without walking the module tree
     # every step (measured in BENCHMARKS.md (a)).
     params = [p for group in s.optimizer.param_groups for p in group["params"]]

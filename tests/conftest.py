@@ -110,6 +110,24 @@ def prefetch_selected(request, parity: Parity, layouts: dict, param: str = "name
                      for name, (nproc, overrides, *_) in layouts.items() if name in wanted})
 
 
+# The files that take longest (a 2-core run, README "Tests"). pytest-xdist hands whole files to its
+# workers in collection order: started first, none of them is left running alone at the end.
+LONGEST_FIRST = ("test_dryrun.py", "test_parallel_pipeline_zero.py", "test_checkpoint.py", "test_recovery.py",
+                 "test_launch_multinode.py", "test_parallel_expert.py", "test_parallel_pipeline.py", "test_train.py",
+                 "test_planner.py", "test_precision.py", "test_parallel_tensor.py", "test_parallel_context.py",
+                 "test_hf.py", "test_validate.py", "test_parallel_data.py", "test_evaluate.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the others keep their order
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker per core, at most 4 (a worker's jobs start up to 8 ranks each)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 def relative_error(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))

@@ -5,6 +5,8 @@ and ep2 x cp2 borrow the tp and cp ranks for ep (parallel/expert.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from safetensors.torch import load_file
 
@@ -15,10 +17,14 @@ from parallel3d.validate import ConfigError, check
 MOE = ["model=tiny_moe"]
 
 LAYOUTS = {  # name: (ranks, overrides)
-    "ep2-dp2-zero3": (2, ["parallel.ep=2", "parallel.zero_stage=3", "checkpoint.every=4"]),  # + resharding
+    "ep2-dp2-zero3": (2, ["parallel.ep=2", "parallel.zero_stage=3"]),
     "ep4-dp4-zero3": (4, ["parallel.ep=4", "parallel.zero_stage=3"]),
-    "ep2-dp4-zero2": (4, ["parallel.ep=2", "parallel.zero_stage=2"]),  # experts averaged over 2 expert-dp ranks
+    # dp4: each expert on 2 ranks (expert_dp), the experts' own units shard or replicate them there
+    "ep2-dp4-zero0": (4, ["parallel.ep=2", "parallel.zero_stage=0"]),
+    "ep2-dp4-zero1": (4, ["parallel.ep=2", "parallel.zero_stage=1"]),
+    "ep2-dp4-zero2": (4, ["parallel.ep=2", "parallel.zero_stage=2", "checkpoint.every=4"]),  # + resharding
     "ep2-dp2-pp2": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"]),
+    "ep2-dp4-pp2": (8, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"]),  # expert units in stages
     # ep borrows the tp ranks: each routes its sequence shard; router replicated over tp (dp2)
     "ep2-tp2-dp2-zero3": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=8"]),
     # ep borrows the cp ranks: the aux loss adds up each sequence's counts over cp (dp2)
@@ -75,12 +81,13 @@ def test_validation_names_the_key(overrides, world, key):
 
 
 def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_reference):
-    """ep2 saves at step 4; ep4 resumes there and saves at 8; one process resumes from that: every
-    step after a resume and the final weights are those of the uninterrupted ep2 run."""
+    """ep2 x dp4 (experts sharded over 2 expert-dp ranks too) saves at step 4; ep4 resumes there and
+    saves at 8; one process resumes from that: every step after a resume and the final weights are
+    those of the uninterrupted ep2 run."""
     import torch
 
-    nproc, overrides = LAYOUTS["ep2-dp2-zero3"]
-    source = parity.run("moe-ep2-dp2-zero3", nproc, [*MOE, *overrides])  # the parity run, saving every 4
+    nproc, overrides = LAYOUTS["ep2-dp4-zero2"]
+    source = parity.run("moe-ep2-dp4-zero2", nproc, [*MOE, *overrides])  # the parity run, saving every 4
     ep4 = launch(parity.root / "moe-resumed-ep4", [*FAST, *MOE, "parallel.ep=4", "checkpoint.every=4",
                  f"checkpoint.resume={source.run_dir / 'checkpoints' / 'step_4'}"], nproc=4)
     ep4.assert_finished(10)
@@ -100,13 +107,15 @@ def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_reference):
 def test_planner_counts_expert_traffic():
     """ep2 x dp2, tiny_moe: per micro batch (4 per rank) and MoE block (4), 2x64 tokens x top 2 copies
     of 128 float32 values, half of them to the other rank, 4 times (dispatch and combine, forward and
-    backward); FSDP leaves the experts out; an expert_dp group only when dp > ep."""
+    backward); the dense weights' FSDP units leave the experts out; an expert_dp group (the experts'
+    own units) only when dp > ep."""
     from parallel3d.planner import predict
 
     cfg = compose([*FAST, *MOE, "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=2"])
     check(cfg, 2)
     comm = predict(cfg, 2).comm_bytes
-    assert comm["ep"] == {"all_to_all": 4 * 4 * 4 * (2 * 64 * 2 * 128 * 4) / 2}
+    # + each forward's exchange of counts per expert: 8 int64
+    assert comm["ep"] == {"all_to_all": 4 * 4 * (4 * (2 * 64 * 2 * 128 * 4) + 8 * 8) / 2}
     assert "expert_dp" not in comm
     dense_cfg = compose([*FAST, *MOE, "parallel.zero_stage=3", "train.micro_batch_size=2"])
     check(dense_cfg, 2)
@@ -114,14 +123,19 @@ def test_planner_counts_expert_traffic():
     gathered = predict(dense_cfg, 2).comm_bytes["dp_shard"]["all_gather"] - comm["dp_shard"]["all_gather"]
     assert gathered == (4 + 4) * experts * 4 / 2  # ZeRO-3: gathered in forward and backward, 4 micro batches
     wider = compose([*FAST, *MOE, "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=2"])
-    check(wider, 4)  # dp4: the experts' gradients averaged over 2 ranks once per step (float32)
-    assert predict(wider, 4).comm_bytes["expert_dp"] == {"all_reduce": 2 * (experts // 2 * 4) / 2}
+    check(wider, 4)  # dp4: each rank's 4 experts sharded over 2 expert-dp ranks, 2 micro batches, float32
+    local = experts // 2 * 4  # bytes of one ep rank's experts
+    assert predict(wider, 4).comm_bytes["expert_dp"] == {"all_gather": (2 + 2) * local / 2,  # forward, backward
+                                                         "reduce_scatter": 2 * local / 2}
+    replicated = compose([*FAST, *MOE, "parallel.ep=2", "parallel.zero_stage=0", "train.micro_batch_size=2"])
+    check(replicated, 4)  # ZeRO-0: the experts' gradients all-reduced over their 2 copies once per step
+    assert predict(replicated, 4).comm_bytes["expert_dp"] == {"all_reduce": 2 * local / 2}
 
 
 def test_dry_run_sends_the_planned_all_to_all_bytes():
     """The dry run (fake tensors: routing taken balanced, as the planner takes it) through ep2 x pp2:
-    the all-to-all bytes rank 0 sends are the planner's plus the routing counts' exchange (8 experts
-    x int64 per MoE block and micro batch, forward only, half of it to the other rank)."""
+    the all-to-all bytes rank 0 sends are the planner's, the routing counts' exchange included (8
+    experts x int64 per MoE block and micro batch, forward only, half of it to the other rank)."""
     from parallel3d.dryrun import dry_run
     from parallel3d.planner import predict
 
@@ -131,4 +145,46 @@ def test_dry_run_sends_the_planned_all_to_all_bytes():
     check(cfg, 4)
     planned = predict(cfg, 4).comm_bytes["ep"]["all_to_all"]
     counts_exchange = 2 * 4 * (8 * 8) / 2  # MoE blocks on stage 0 x micro batches x bytes / 2
-    assert report.comm["ep"]["all_to_all"].sent_bytes == planned + counts_exchange
+    assert counts_exchange < planned and report.comm["ep"]["all_to_all"].sent_bytes == planned
+
+
+def test_hugging_face_weights_load_into_sharded_experts(parity, moe_reference):
+    """A checkpoint exported in Qwen3-MoE's layout (one tensor per expert) starts ep2 x dp4, where each
+    rank reads half of its ep rank's experts (FSDP over expert_dp), where it starts one process."""
+    import importlib.util
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "convert_hf.py"
+    spec = importlib.util.spec_from_file_location("convert_hf", tool)
+    convert_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert_hf)
+    nproc, overrides = LAYOUTS["ep2-dp4-zero2"]
+    source = parity.run("moe-ep2-dp4-zero2", nproc, [*MOE, *overrides])
+    export = parity.root / "moe-step8-hf"
+    assert convert_hf.main(["export", str(source.run_dir / "checkpoints" / "step_8"), str(export)]) == 0
+    init = [*FAST, *MOE, "train.steps=2", f"checkpoint.init_from={export}"]
+    single = launch(parity.root / "moe-init-single", init)
+    sharded = launch(parity.root / "moe-init-ep2-dp4", [*init, "parallel.ep=2", "parallel.zero_stage=3"], nproc=4)
+    single.assert_finished(2)
+    sharded.assert_finished(2)
+    assert relative_error(sharded.losses, single.losses) < 1e-5
+    assert single.losses[0] < moe_reference.losses[0] - 1.0  # trained weights, not a fresh init
+
+
+def test_dry_run_shards_the_experts_and_sums_the_aux_counts_as_planned():
+    """ep2 x cp2 x dp2, ZeRO-3 (ep takes the cp ranks, expert_dp the dp ones): the experts' own FSDP
+    units gather and reduce-scatter over expert_dp, and each MoE block forward all-reduces its
+    sequences' expert counts (b x 8 float32) over cp, exactly the bytes the planner counts."""
+    from parallel3d.dryrun import dry_run
+    from parallel3d.planner import predict
+
+    overrides = [*FAST, *MOE, "parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=3",
+                 "train.micro_batch_size=2", "run_dir=/nonexistent"]
+    [report] = dry_run(overrides, 4, [0])
+    cfg = compose(overrides)
+    check(cfg, 4)
+    planned = predict(cfg, 4).comm_bytes
+    assert {kind: c.sent_bytes for kind, c in report.comm["expert_dp"].items()} == planned["expert_dp"]
+    assert set(planned["expert_dp"]) == {"all_gather", "reduce_scatter"}
+    # 4 blocks x 4 micro batches (8 sequences per dp rank) x a ring all-reduce of 2 x 8 float32 on 2 ranks
+    assert planned["cp"]["all_reduce"] == 4 * 4 * 2 * (2 * 8 * 4) * (2 - 1) / 2
+    assert report.comm["cp"]["all_reduce"].sent_bytes == planned["cp"]["all_reduce"]

@@ -1,5 +1,6 @@
 """Pipeline parallelism with every schedule, alone and composed with dp and tp, trains to the
-single-process numbers; impossible pipelines are refused."""
+single-process numbers; impossible pipelines are refused. (dp2 x pp2 with every schedule and
+every ZeRO stage: tests/test_parallel_pipeline_zero.py.)"""
 
 from __future__ import annotations
 
@@ -32,11 +33,6 @@ LAYOUTS |= {
     "hsdp2x2-pp2-Interleaved1F1B": (8, ["parallel.dp_replicate=2", "parallel.pp=2", "parallel.zero_stage=3",
                                         "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=2"]),
 }
-# dp2 x pp2: every schedule with every ZeRO stage. (Zero-bubble schedules with ZeRO-3 once trained
-# to wrong numbers, while ZeRO-3 resharded parameters after each forward under pp.)
-LAYOUTS |= {f"dp2-pp2-{s}-zero{z}": (4, ["parallel.pp=2", f"parallel.pp_schedule={s}", f"parallel.zero_stage={z}",
-                                         "train.micro_batch_size=2"])
-            for s in SCHEDULES for z in range(4)}
 
 
 # Tied embeddings: the first stage's embedding and the last stage's copy stay one matrix, whether

@@ -109,8 +109,9 @@ class GroupedExperts(nn.Module):
         self.grad_scale = 1.0
 
     def local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's experts (all of them without expert parallelism), in the compute dtype (data
-        parallelism's mixed precision does not cast them under expert parallelism: it ignores them)."""
+        """This rank's experts (all of them without expert parallelism), in the compute dtype: the
+        data-parallel wrapper's cast, or this one where it leaves them alone (expert parallelism
+        with no other rank holding the same experts, ``parallel.data.ExpertSharding``)."""
         out = [token_local(w).to(dtype) for w in (self.w1, self.w2, self.w3)]
         if self.grad_scale != 1.0:
             out = [ScaleGradient.apply(w, self.grad_scale) for w in out]

@@ -23,7 +23,7 @@ from parallel3d.base import DTYPES
 from parallel3d.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
 from parallel3d.parallel.context import apply_context_parallel
-from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
+from parallel3d.parallel.data import DataParallelPlan, ExpertSharding, apply_data_parallel
 from parallel3d.parallel.expert import apply_expert_parallel
 from parallel3d.parallel.float8 import Float8Plan, apply_float8
 from parallel3d.parallel.tensor import apply_tensor_parallel
@@ -82,11 +82,13 @@ def parallelize(model: nn.Module, meshes: Meshes, plan: ParallelPlan) -> None:
     if meshes.cp is not None:
         apply_context_parallel(model, meshes.cp, plan.cp_method)
     tp = meshes.tp.size() if meshes.tp is not None else 1
-    experts = apply_expert_parallel(model, meshes.ep, tp) if meshes.ep is not None else set()
+    experts = None
+    if meshes.ep is not None:
+        experts = ExpertSharding(apply_expert_parallel(model, meshes.ep, tp), meshes.expert_dp)
     apply_activation_checkpointing(model, plan.activation.mode, plan.activation.every)
     if plan.compile:
         compile_blocks(model)
     # cp ranks hold the same parameters as data-parallel ranks do. Without either, the wrapper
     # still runs, on this rank alone, where its mixed-precision policy has something to cast.
     if meshes.data_parallel is not None:
-        apply_data_parallel(model, meshes.data_parallel, meshes.fsdp or meshes.precision, plan.data, ignored=experts)
+        apply_data_parallel(model, meshes.data_parallel, meshes.fsdp or meshes.precision, plan.data, experts)

@@ -74,16 +74,17 @@ class DataParallelPlan:
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, fsdp_mesh: DeviceMesh | None,
-                        plan: DataParallelPlan, ignored: set[nn.Parameter] = frozenset()) -> None:
-    """Wrap ``model`` (still on the meta device) in place for data-parallel training; ``ignored``
-    parameters are left alone (expert-parallel experts: ``parallel.expert`` syncs them)."""
+                        plan: DataParallelPlan, experts: ExpertSharding | None = None) -> None:
+    """Wrap ``model`` (still on the meta device) in place for data-parallel training. ``experts``:
+    the expert-parallel experts, which get units of their own on their own mesh (see below)."""
     mp_policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
-    ignored_params = set(ignored) or None
+    ignored = experts.ignored if experts is not None else None
     if plan.zero_stage == 0:
-        replicate(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
+        if experts is not None:
+            experts.wrap(plan, mp_policy)
+        replicate(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
         return
-    shard = dict(mesh=dp_mesh if plan.zero_stage == 1 else fsdp_mesh, mp_policy=mp_policy,
-                 ignored_params=ignored_params,
+    shard = dict(mesh=dp_mesh if plan.zero_stage == 1 else fsdp_mesh, mp_policy=mp_policy, ignored_params=ignored,
                  offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy())
     # Units inside the root receive activations already in the compute dtype, and the RoPE tables,
     # which must stay float32: cast, they would lose precision and every block would keep its own
@@ -91,6 +92,8 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, fsdp_mesh: Device
     units = dict(shard, reshard_after_forward=plan.reshard_blocks_after_forward,
                  mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
                                                 cast_forward_inputs=False))
+    if experts is not None:  # first: the blocks' units then leave the experts' parameters to them
+        experts.wrap(plan, units["mp_policy"], units["offload_policy"])
     blocks = list(model.layers.values())
     if plan.wrap == "block":
         for block in blocks:
@@ -100,6 +103,42 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, fsdp_mesh: Device
     fully_shard(model, **shard, reshard_after_forward=None if plan.reshard_blocks_after_forward else False)
     if plan.prefetch:
         _set_prefetch(blocks, plan.prefetch)
+
+
+@dataclass
+class ExpertSharding:
+    """Expert-parallel experts (``parallel/expert.py``: DTensors split over the ep mesh) and
+    ``expert_dp``, the ranks that hold the same experts (None: no other rank does).
+
+    Over expert_dp the experts follow the ZeRO stage as every other weight does, in a unit of
+    their own per MoE block: replicated (ZeRO-0) or sharded (1-3), so each rank keeps 1/expert_dp
+    of their master weights, gradients and optimizer state. FSDP shards dim 0, the experts, so a
+    rank's shard is whole experts, as checkpoints in Hugging Face's layout (one tensor per expert)
+    read and write them (``hf.hf_tensors``); with fewer experts than ranks some hold none (FSDP
+    pads). Without expert_dp the wrapper leaves the experts alone (nothing to shard or reduce) and
+    ``GroupedExperts`` casts them to the compute dtype itself: the same bf16 product, and
+    gradients reach the float32 masters as through FSDP's cast.
+    """
+
+    modules: list[nn.Module]
+    expert_dp: DeviceMesh | None
+
+    @property
+    def ignored(self) -> set[nn.Parameter] | None:
+        if self.expert_dp is not None:
+            return None
+        return {p for module in self.modules for p in module.parameters()} or None
+
+    def wrap(self, plan: DataParallelPlan, mp_policy: MixedPrecisionPolicy,
+             offload_policy: OffloadPolicy = OffloadPolicy()) -> None:
+        if self.expert_dp is None:
+            return
+        for module in self.modules:
+            if plan.zero_stage == 0:
+                replicate(module, mesh=self.expert_dp, mp_policy=mp_policy)
+                continue
+            fully_shard(module, mesh=self.expert_dp, mp_policy=mp_policy, offload_policy=offload_policy,
+                        reshard_after_forward=plan.reshard_blocks_after_forward)
 
 
 def _shard_by_size(root: nn.Module, min_params: int, shard: dict) -> None:

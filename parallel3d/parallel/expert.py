@@ -12,9 +12,10 @@ same exchange in reverse (``AllToAll``).
 Gradients: an expert sees the tokens of all ep ranks, so its gradient sums their parts of the
 loss. Data parallelism averages gradients over the dp x cp ranks (each a whole loss of its own),
 while tp ranks' tokens are parts of one such loss, to be summed. Over the ``expert_dp`` ranks
-(the rest of dp x cp x tp, which hold the same experts) ``sync_expert_gradients`` averages, as
-DDP does: with ``grad_scale = tp / ep`` the result is the dp x cp average of every rank's sum.
-Expert weights are replicated over expert_dp, not FSDP-sharded (FSDP ignores them; docs/moe.md).
+(the rest of dp x cp x tp, which hold the same experts) the data-parallel wrapper averages them,
+in units of their own (``parallel.data.ExpertSharding``: replicated under ZeRO-0, sharded over
+expert_dp under ZeRO-1 to 3): with ``grad_scale = tp / ep`` the result is the dp x cp average of
+every rank's sum.
 """
 
 from __future__ import annotations
@@ -68,11 +69,11 @@ class AllToAllDispatch:
         return AllToAll.apply(out, send, recv, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp: int = 1) -> set[nn.Parameter]:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp: int = 1) -> list[GroupedExperts]:
     """Split the experts of ``model``'s MoE blocks (still on meta) over ``ep_mesh`` along the
-    expert dim; returns their parameters (data parallelism must leave them to ``sync_expert_gradients``).
+    expert dim; returns the split modules (data parallelism gives them units of their own).
     ``tp``: the tensor-parallel degree (its ranks' tokens are parts of one loss: module docstring)."""
-    params: set[nn.Parameter] = set()
+    split: list[GroupedExperts] = []
     for block in model.layers.values():
         if not isinstance(block.feed_forward, MoE):
             continue
@@ -82,27 +83,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp: int = 1) ->
             whole = param.to_local().detach() if isinstance(param, DTensor) else param  # tp replicated: whole
             sharded = nn.Parameter(distribute_tensor(whole, ep_mesh, [Shard(0)], src_data_rank=None))
             experts.register_parameter(name, sharded)
-            params.add(sharded)
         experts.grad_scale = tp / ep_mesh.size()
         moe.dispatch = AllToAllDispatch(ep_mesh)
-    return params
-
-
-def expert_modules(model: nn.Module) -> list[GroupedExperts]:
-    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
-
-
-@torch.no_grad()
-def sync_expert_gradients(model: nn.Module, expert_dp: DeviceMesh | None) -> None:
-    """Average the expert gradients over the ranks that hold the same experts (after backward)."""
-    if expert_dp is None:
-        return
-    grads = [w.grad.to_local() if isinstance(w.grad, DTensor) else w.grad
-             for experts in expert_modules(model) for w in experts.parameters() if w.grad is not None]
-    if grads:
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=expert_dp.get_group())
-        torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        split.append(experts)
+    return split
 
 
 def configure_moe(parts: list[nn.Module], sequences: int, sequence_mesh: DeviceMesh | None, cp: int) -> None:

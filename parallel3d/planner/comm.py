@@ -41,11 +41,12 @@ When the code communicates (see ``parallel/data.py`` and torch's pipelining stag
   (b·s·top_k·dim·c) go to their experts and the results come back, one all-to-all each way in
   forward and again in backward (and once more each way when full checkpointing recomputes the
   block). What a rank must send is the copies routed to experts elsewhere: (ep-1)/ep of them under
-  balanced routing, the minimum any routing needs on average, and what is counted. FSDP ignores
-  expert weights; their gradients are all-reduced once per step over the ``expert_dp`` ranks
-  (dp x cp x tp / ep) that hold the same experts. Under cp and tp each rank routes its shard of the
-  sequence (b·s/(cp·tp) tokens). (Not counted: the aux loss's per-sequence expert counts, summed
-  over cp x tp, b·experts int64 values per MoE block and micro batch.)
+  balanced routing, the minimum any routing needs on average, and what is counted. The expert
+  weights' data-parallel units run over the ``expert_dp`` ranks (dp x cp x tp / ep) that hold the
+  same experts, by the ZeRO stage as above (dim 0 padded to a multiple of expert_dp). Under cp
+  and tp each rank routes its shard of the sequence (b·s/(cp·tp) tokens). Before each dispatch
+  the ranks swap their counts per expert (int64, all-to-all); the aux loss sums each sequence's
+  expert counts over cp x tp (b·experts float32, an all-reduce per MoE block forward).
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ from collections import defaultdict
 
 from parallel3d.planner.activations import Geometry, checkpointed
 from parallel3d.planner.layout import MASTER_BYTES, Layout, ModelShape, Stage, embedding_param
-from parallel3d.planner.memory import param_state, tp_local_shape
+from parallel3d.planner.memory import expert_local_shape, param_state, tp_local_shape
 
-GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp", "cp", "dp_cp", "dp_shard_cp", "ep", "expert_dp")
+GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp", "cp", "dp_cp", "dp_shard_cp", "cp_tp", "ep", "expert_dp")
 
 
 def ring(kind: str, total_bytes: float, n: int) -> float:
@@ -113,7 +114,9 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
     if piped:
         _pipeline(out["pp"], model, stages, layout)
     if layout.ep > 1:
-        _expert_parallel(out, model, stages, layout)
+        _expert_parallel(out, model, stages, layout, reductions)
+    if model.aux_loss and layout.cp * layout.tp > 1:
+        _aux_loss_counts(out, model, stages, layout)
     return {group: dict(kinds) for group, kinds in out.items() if any(kinds.values())}
 
 
@@ -210,13 +213,44 @@ def _pipeline(out: dict[str, float], model: ModelShape, stages: list[Stage], lay
 
 
 
-def _expert_parallel(out: dict, model: ModelShape, stages: list[Stage], layout: Layout) -> None:
+def _moe_forwards(model: ModelShape, stages: list[Stage], layout: Layout) -> int:
+    """MoE block forwards per micro batch, a recomputed block's replay in backward included."""
+    return sum(1 + (checkpointed(layer, layout) != "none") for stage in stages for layer in stage.blocks
+               if model.is_moe(layer))
+
+
+def _aux_loss_counts(out: dict, model: ModelShape, stages: list[Stage], layout: Layout) -> None:
+    """Each MoE block forward sums its sequences' expert counts (b x experts float32) over the
+    ranks that split the sequences (``models.moe.MoE.balance_loss``): cp x tp, flattened."""
+    group = "cp_tp" if layout.cp > 1 and layout.tp > 1 else "cp" if layout.cp > 1 else "tp"
+    counts = layout.micro_batch_size * model.num_experts * 4
+    forwards = _moe_forwards(model, stages, layout)
+    out[group]["all_reduce"] += layout.micro_batches * forwards * ring("all_reduce", counts, layout.cp * layout.tp)
+
+
+def _expert_parallel(out: dict, model: ModelShape, stages: list[Stage], layout: Layout, reductions: int) -> None:
     moe_blocks = sum(model.is_moe(layer) for stage in stages for layer in stage.blocks)
     tokens = layout.micro_batch_size * layout.seq_len // (layout.cp * layout.tp)  # a rank routes its shard
     copies = tokens * model.top_k * model.dim * layout.compute_bytes
     exchanges = 4 + 2 * (layout.activation_checkpoint == "full")  # dispatch + combine, forward and backward
     out["ep"]["all_to_all"] += layout.micro_batches * moe_blocks * exchanges * ring("all_to_all", copies, layout.ep)
-    expert_dp = layout.dp * layout.cp * layout.tp // layout.ep
-    experts = sum(count * spec.numel // layout.ep for stage in stages for spec, count in stage.counted_params(model)
-                  if spec.expert)
-    out["expert_dp"]["all_reduce"] += ring("all_reduce", experts * MASTER_BYTES, expert_dp)
+    # Before each dispatch (forward, and a recomputed forward) the ranks swap their tokens' counts
+    # per expert (int64), which size the exchange.
+    counts = model.num_experts * 8
+    out["ep"]["all_to_all"] += layout.micro_batches * _moe_forwards(model, stages, layout) * ring("all_to_all", counts, layout.ep)
+    n = layout.expert_dp
+    if n == 1:
+        return
+    # The experts' own data-parallel units over expert_dp, as the dense weights' over dp (above);
+    # they live in blocks, so ZeRO-3 gathers them in forward and again in backward.
+    shards = layout.expert_shards
+    numel = sum(count * math.prod(expert_local_shape(spec, layout)) * shards
+                for stage in stages for spec, count in stage.counted_params(model) if spec.expert)
+    if shards == 1:
+        out["expert_dp"]["all_reduce"] += reductions * ring("all_reduce", numel * layout.reduce_bytes, n)
+        return
+    gathered = reductions * numel
+    if layout.zero_stage == 3 and layout.pp == 1:
+        gathered += layout.micro_batches * numel
+    out["expert_dp"]["all_gather"] += ring("all_gather", gathered * layout.compute_bytes, n)
+    out["expert_dp"]["reduce_scatter"] += reductions * ring("reduce_scatter", numel * layout.reduce_bytes, n)

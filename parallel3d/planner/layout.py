@@ -42,13 +42,14 @@ class ModelShape:
     expert_ffn_dim: int = 0
     shared_experts: int = 0
     moe_every: int = 1
+    aux_loss: bool = False  # model.moe.aux_loss_coef > 0: its counts are summed over the ranks of a sequence
 
     @classmethod
     def from_config(cls, m) -> "ModelShape":
         moe = m.moe
         return cls(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings),
                    m.head_dim, bool(m.qk_norm), moe.num_experts, moe.top_k, moe.expert_ffn_dim or m.ffn_dim,
-                   moe.shared_experts, moe.every)
+                   moe.shared_experts, moe.every, moe.aux_loss_coef > 0)
 
     @property
     def head_dim(self) -> int:
@@ -92,7 +93,7 @@ class Layout(ParallelDims):
     device: str = "cuda"  # whose kernels the activation model counts (cpu: composite RMSNorm, ...)
     document_masking: bool = False  # data.document_masking: attention keeps a (b, 1, s, s) mask
     reset_positions: bool = False  # data.reset_positions: each block gathers per-token RoPE tables
-    ep: int = 1  # expert parallelism: experts split over ep ranks of dp_shard x cp x tp, replicated over the rest
+    ep: int = 1  # expert parallelism: experts split over ep ranks of dp_shard x cp x tp, sharded over the rest
 
     @classmethod
     def from_config(cls, cfg, device: str | None = None) -> "Layout":
@@ -139,6 +140,17 @@ class Layout(ParallelDims):
         return {0: 1, 1: self.dp * self.cp}.get(self.zero_stage, self.dp_shard * self.cp)
 
     @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts under expert parallelism: dp x cp x tp / ep (``mesh.py``)."""
+        return self.dp * self.cp * self.tp // self.ep
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks the expert-parallel experts' model state is sharded over: expert_dp, none for DDP
+        (``parallel.data.ExpertSharding``)."""
+        return 1 if self.zero_stage == 0 else self.expert_dp
+
+    @property
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.param_dtype]
 
@@ -166,7 +178,7 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     tp_dim: Optional[int]
-    expert: bool = False  # stacked experts (dim 0): split over ep, left alone by FSDP when ep > 1
+    expert: bool = False  # stacked experts (dim 0): split over ep, then sharded over expert_dp when ep > 1
 
     @property
     def numel(self) -> int:

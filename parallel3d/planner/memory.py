@@ -14,7 +14,8 @@ an idealization:
   DDP keeps everything whole;
 * AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the (sharded) parameter plus a float32
   ``step`` scalar tensor per parameter: 4 bytes that ``model_state_bytes`` counts too;
-* a tied last pipeline stage holds its own copy of the embedding (with gradient and state).
+* a tied last pipeline stage holds its own copy of the embedding (with gradient and state);
+* expert-parallel experts: 1/ep of the experts, sharded over expert_dp by the ZeRO stage.
 """
 
 from __future__ import annotations
@@ -66,10 +67,18 @@ def param_state(spec: ParamSpec, layout: Layout, dp_rank: int = 0) -> ModelState
     shape = tp_local_shape(spec, layout.tp)
     rows, row_numel = shape[0], math.prod(shape[1:])
     n = layout.shards
-    if spec.expert and layout.ep > 1:  # split over ep, replicated over expert_dp (parallel/expert.py)
-        rows, n = rows // layout.ep, 1
+    if spec.expert and layout.ep > 1:
+        rows, n = expert_local_shape(spec, layout, dp_rank)[0], 1
     local = chunk_rows(rows, n, dp_rank % n) * row_numel * MASTER_BYTES
     return ModelState(local, local, ADAM_MOMENTS * local + ADAM_STEP_BYTES)
+
+
+def expert_local_shape(spec: ParamSpec, layout: Layout, dp_rank: int = 0) -> tuple[int, ...]:
+    """A rank's part of stacked experts under expert parallelism: 1/ep of the experts, then (ZeRO
+    1-3) chunked over expert_dp (``parallel.data.ExpertSharding``)."""
+    experts = spec.shape[0] // layout.ep
+    n = layout.expert_shards
+    return (chunk_rows(experts, n, dp_rank % n), *spec.shape[1:])
 
 
 def stage_model_state(model: ModelShape, stage: Stage, layout: Layout, dp_rank: int = 0) -> ModelState:

@@ -1,0 +1,28 @@
+"""dp2 x pp2: every pipeline schedule with every ZeRO stage trains to the single-process numbers.
+(Zero-bubble schedules with ZeRO-3 once trained to wrong numbers, while ZeRO-3 resharded
+parameters after each forward under pp.) Apart from tests/test_parallel_pipeline.py so that the
+two matrices can run side by side under pytest-xdist."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import prefetch_selected
+
+from parallel3d.parallel.pipeline import SCHEDULES
+
+LAYOUTS = {f"dp2-pp2-{s}-zero{z}": (4, ["parallel.pp=2", f"parallel.pp_schedule={s}", f"parallel.zero_stage={z}",
+                                        "train.micro_batch_size=2"])
+           for s in SCHEDULES for z in range(4)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def batched(parity, request):
+    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    prefetch_selected(request, parity, LAYOUTS)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_schedule_at_every_zero_stage_matches_single_process(name, parity):
+    nproc, overrides = LAYOUTS[name]
+    parity.assert_same_training(parity.run(name, nproc, overrides))
