@@ -53,6 +53,7 @@ class MoEConfig:
     norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
     router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3: aux-loss-free balancing bias)
     bias_update_rate: float = 1e-3  # sigmoid router: bias step per optimizer step towards even load
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most ceil(cf*tokens*top_k/E) per forward
 
 
 @dataclass

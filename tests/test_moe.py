@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -151,3 +153,46 @@ def test_sigmoid_router_bias_moves_towards_even_load_and_is_checkpointed(tmp_pat
     checkpointer.load(tmp_path / "checkpoints" / "step_1", TrainState([restored]))
     for name, layer in moe_layers(restored).items():
         assert torch.equal(layer.router.expert_bias, moe_layers(model)[name].router.expert_bias)
+
+
+def test_capacity_factor_zero_or_ample_is_dropless():
+    """capacity_factor=0 (the default) and a factor no expert reaches give the dropless result bit for bit."""
+    x = torch.randn(2, 8, 32)
+    dropless = build(tiny()).layers["0"].feed_forward
+    ample = build(tiny(capacity_factor=4.0)).layers["0"].feed_forward  # capacity = all 32 copies
+    assert torch.equal(ample(x), dropless(x))
+    assert ample.step_dropped(1) == 0 and torch.equal(ample.tokens_per_expert, dropless.tokens_per_expert)
+
+
+def test_within_capacity_keeps_the_highest_weights_and_the_earlier_token_on_ties():
+    from parallel3d.models.moe import within_capacity
+
+    experts = torch.tensor([0, 1, 0, 0, 1, 0])
+    weights = torch.tensor([0.2, 0.9, 0.5, 0.2, 0.1, 0.7])
+    counts = torch.tensor([4, 2])
+    keep = within_capacity(experts, weights, counts, capacity=2)
+    assert keep.tolist() == [False, True, True, False, True, True]  # expert 0 keeps 0.7, 0.5
+    keep = within_capacity(experts, weights, counts, capacity=3)
+    assert keep.tolist() == [True, True, True, False, True, True]  # 0.2 tie: copy 0 before copy 3
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
+def test_capacity_drops_the_copies_over_capacity(capacity_factor):
+    """Each expert computes at most ceil(cf * tokens * top_k / experts) copies, the ones with the
+    highest routing weight; a dropped copy adds nothing to its token (no renormalization)."""
+    layer = build(tiny(capacity_factor=capacity_factor, shared_experts=1)).layers["0"].feed_forward
+    x = torch.randn(2, 8, 32)
+    out = layer(x)
+    flat = x.reshape(-1, 32)
+    weights, chosen, _ = layer.router(flat)
+    capacity = math.ceil(capacity_factor * 16 * 2 / 4)
+    kept = torch.zeros_like(weights)
+    for e in range(4):  # by hand: the expert's copies, highest weight first, the earlier token on ties
+        copies = sorted(((-weights[t, j].item(), t, j) for t in range(16) for j in range(2) if chosen[t, j] == e))
+        for _, t, j in copies[:capacity]:
+            kept[t, j] = weights[t, j]
+    layer.router.forward = lambda flat_x: (kept, chosen, None)  # the reference, with the drops as zero weights
+    torch.testing.assert_close(out, per_token_reference(layer, x), rtol=1e-5, atol=1e-6)
+    loads = torch.bincount(chosen.flatten(), minlength=4)
+    assert torch.equal(layer.forward_stats[0][0], loads.clamp(max=capacity).double())
+    assert layer.step_dropped(1) == int((loads - capacity).clamp(min=0).sum()) > 0

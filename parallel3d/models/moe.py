@@ -1,7 +1,8 @@
 """Mixture of experts: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token.
 
-Dropless: every token reaches every expert it picked, so the result does not depend on how
-tokens are batched, split over ranks or micro batches (layout invariance, as for dense blocks).
+Dropless by default: every token reaches every expert it picked, so the result does not depend on
+how tokens are batched, split over ranks or micro batches (layout invariance, as for dense blocks).
+A ``capacity_factor`` caps each expert's token copies per forward (``MoE.assign``).
 Tokens are sorted by expert and each expert multiplies its contiguous rows: one grouped matmul
 (``torch._grouped_mm``) on a GPU that has it, a loop over experts elsewhere (the same sums).
 
@@ -29,6 +30,7 @@ Load balancing:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -187,16 +189,20 @@ class MoE(nn.Module):
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        """(tokens per expert, aux loss) of each training forward since the last step, on the host."""
-        self.forward_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(tokens per expert, aux loss, copies dropped) of each training forward since the last step, on the host."""
+        self.forward_stats: list[tuple[torch.Tensor, torch.Tensor, float]] = []
 
     def step_stats(self, forwards: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens per expert and aux loss summed over the step's last ``forwards`` forwards (the
         step's micro batches): in its first step torch's pipeline stage runs one more forward
         first, on empty tensors, to infer shapes."""
         kept = self.forward_stats[-forwards:]
-        tokens = sum((t for t, _ in kept), torch.zeros(self.moe.num_experts, dtype=torch.float64))
-        return tokens, sum((a for _, a in kept), torch.zeros((), dtype=torch.float64))
+        tokens = sum((t for t, _, _ in kept), torch.zeros(self.moe.num_experts, dtype=torch.float64))
+        return tokens, sum((a for _, a, _ in kept), torch.zeros((), dtype=torch.float64))
+
+    def step_dropped(self, forwards: int) -> float:
+        """Token copies dropped for capacity over the step's last ``forwards`` forwards."""
+        return sum(d for _, _, d in self.forward_stats[-forwards:])
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:
@@ -210,11 +216,8 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         weights, chosen, scores = self.router(flat)
-        order = chosen.flatten().argsort(stable=True)
+        order, counts, dropped = self.assign(chosen, weights)
         token = order // self.moe.top_k
-        # (scatter_add, not bincount: its output's shape is static, which fake tensors need)
-        counts = torch.zeros(self.moe.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, chosen.flatten(), torch.ones_like(chosen.flatten()))
         routed = self.dispatch(flat[token], counts, self.experts)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(flat).index_add_(0, token, routed)
@@ -229,10 +232,26 @@ class MoE(nn.Module):
         # not activation checkpointing's replay of forward in backward.
         if torch.is_grad_enabled() and not _recomputing() and not is_fake(counts):
             aux_value = torch.zeros((), dtype=torch.float64) if aux is None else aux.detach().to("cpu", torch.float64)
-            self.forward_stats.append((counts.detach().to("cpu", torch.float64), aux_value))
+            self.forward_stats.append((counts.detach().to("cpu", torch.float64), aux_value, float(dropped)))
         if aux is not None:
             out = AuxLossGradient.apply(out, aux * self.aux_grad_scale)
         return out
+
+    def assign(self, chosen: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token copies (indices into ``chosen.flatten()``) that reach an expert, sorted by expert
+        (stable: token order within an expert), tokens per expert, and the copies dropped for capacity."""
+        experts = chosen.flatten()
+        # (scatter_add, not bincount: its output's shape is static, which fake tensors need)
+        counts = torch.zeros(self.moe.num_experts, dtype=torch.long, device=chosen.device).scatter_add_(
+            0, experts, torch.ones_like(experts))
+        capacity = math.ceil(self.moe.capacity_factor * chosen.numel() / self.moe.num_experts)
+        # Dropless, and the dry run's routing, which has no values (the planner's upper bound).
+        if self.moe.capacity_factor <= 0 or is_fake(chosen) or int(counts.max()) <= capacity:
+            return experts.argsort(stable=True), counts, torch.zeros((), dtype=torch.long)
+        keep = within_capacity(experts, weights.flatten(), counts, capacity)
+        kept = keep.nonzero().squeeze(1)
+        order = kept[experts[kept].argsort(stable=True)]
+        return order, counts.clamp(max=capacity), (~keep).sum()
 
     def balance_loss(self, chosen: torch.Tensor, scores: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         """Sequence-wise balance loss of this micro batch, weighted by ``aux_loss_coef`` and
@@ -249,6 +268,16 @@ class MoE(nn.Module):
         score_share = scores.view(batch, seq, E).sum(dim=1) / whole  # this rank's part of the mean score
         per_sequence = (load * score_share).sum(dim=-1)
         return self.moe.aux_loss_coef * per_sequence.sum() / self.sequences_per_step
+
+
+def within_capacity(experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Which token copies an expert keeps when it may take ``capacity`` of them: those with the
+    highest routing weight (ties: the earlier token), as Megatron's ``drop_policy=probs``."""
+    by_weight = weights.argsort(descending=True, stable=True)
+    ranked = by_weight[experts[by_weight].argsort(stable=True)]  # by expert, then weight
+    starts = counts.cumsum(0) - counts
+    position = torch.arange(experts.numel(), device=experts.device) - starts[experts[ranked]]
+    return torch.zeros_like(experts, dtype=torch.bool).index_fill_(0, ranked[position < capacity], True)
 
 
 def _recomputing() -> bool:

@@ -106,26 +106,28 @@ def configure_moe(parts: list[nn.Module], sequences: int, sequence_mesh: DeviceM
 def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, micro_batches: int, world_group_size: int, dp: int,
                    device: torch.device) -> dict:
     """The step's ``aux_loss`` (as added to the loss: mean over the global batch, summed over MoE
-    blocks), tokens per expert summed over blocks and ranks (``expert_load``) and the worst block's
-    ``expert_load_max_over_mean``; resets the blocks' counters and, for the sigmoid router, moves
+    blocks), tokens per expert summed over blocks and ranks (``expert_load``: the copies the experts
+    computed), the worst block's ``expert_load_max_over_mean`` and the copies dropped for capacity
+    (``expert_dropped``); resets the blocks' counters and, for the sigmoid router, moves
     its balancing bias. ``micro_batches``: the forwards each block ran this step. Every rank must
     call it (one all-reduce over the world)."""
     names = [str(i) for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
     if not names:
         return {}
     local = {name: part.layers[name].feed_forward for part in parts for name in names if name in part.layers}
-    stats = torch.zeros(1 + len(names) * cfg.moe.num_experts, dtype=torch.float64)
+    stats = torch.zeros(2 + len(names) * cfg.moe.num_experts, dtype=torch.float64)  # aux, dropped, loads
     for i, name in enumerate(names):
         if name in local:
             tokens, aux = local[name].step_stats(micro_batches)
             stats[0] += aux
-            stats[1 + i * cfg.moe.num_experts : 1 + (i + 1) * cfg.moe.num_experts] = tokens
+            stats[1] += local[name].step_dropped(micro_batches)
+            stats[2 + i * cfg.moe.num_experts : 2 + (i + 1) * cfg.moe.num_experts] = tokens
             local[name].reset_stats()
     if world_group_size > 1:  # pipeline stages hold different blocks, data ranks different tokens
         stats = stats.to(device)
         dist.all_reduce(stats)
         stats = stats.cpu()
-    aux, loads = stats[0] / dp, stats[1:].view(len(names), cfg.moe.num_experts)
+    aux, loads = stats[0] / dp, stats[2:].view(len(names), cfg.moe.num_experts)
     if cfg.moe.router == "sigmoid":
         for i, name in enumerate(names):
             if name in local:
@@ -133,7 +135,7 @@ def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, micro_batches: int,
                 bias += cfg.moe.bias_update_rate * torch.sign(loads[i].mean() - loads[i]).to(bias)
     imbalance = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-12)).max()
     return {"aux_loss": float(aux), "expert_load": [int(v) for v in loads.sum(0).tolist()],
-            "expert_load_max_over_mean": float(imbalance)}
+            "expert_load_max_over_mean": float(imbalance), "expert_dropped": int(stats[1])}
 
 
 def check_experts(m, p) -> None:
@@ -148,6 +150,9 @@ def check_experts(m, p) -> None:
     if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError("model.moe.top_k", moe.top_k, f"must be in 1..num_experts={moe.num_experts}",
                           "choose top_k <= model.moe.num_experts")
+    if moe.capacity_factor < 0:
+        raise ConfigError("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0",
+                          "use 0 for dropless routing or a factor such as 1.25")
     if moe.router not in ("softmax", "sigmoid"):
         raise ConfigError("model.moe.router", moe.router, "unknown router", "use softmax or sigmoid")
     if moe.num_experts and p.tp > 1 and not p.sequence_parallel:  # each tp rank routes its sequence shard

@@ -229,6 +229,8 @@ def _aux_loss_counts(out: dict, model: ModelShape, stages: list[Stage], layout: 
 
 
 def _expert_parallel(out: dict, model: ModelShape, stages: list[Stage], layout: Layout, reductions: int) -> None:
+    """Token copies to their experts and back: every copy (dropless routing; with a capacity factor
+    an upper bound, as dropped copies stay home)."""
     moe_blocks = sum(model.is_moe(layer) for stage in stages for layer in stage.blocks)
     tokens = layout.micro_batch_size * layout.seq_len // (layout.cp * layout.tp)  # a rank routes its shard
     copies = tokens * model.top_k * model.dim * layout.compute_bytes
