@@ -108,6 +108,20 @@ def test_planned_peak_memory_is_within_10_percent_of_the_dry_run(name):
         assert abs(planned / report.peak_bytes - 1) < 0.10, (report.rank, planned, report.peak_bytes)
 
 
+@pytest.mark.parametrize("name", ["ep2 dp2 ZeRO-1, every 2nd block", "ep2 dp2 pp2 ZeRO-3"])
+def test_planned_moe_peak_memory_is_within_10_percent_of_the_dry_run(name):
+    """The same for mixture-of-experts layouts (tools/bench_memory.py --moe): experts that cast
+    themselves and keep their own float32 gradients (expert_dp = 1), MoE activations; the first
+    rank of every pipeline stage."""
+    world, overrides = bench_memory.MOE[name]
+    overrides = [*bench_memory.MOE_BASE, *overrides]
+    plan = predict(compose([*overrides, "train.device=cpu", "run_dir=/nonexistent"]), world)
+    first_of_each_stage = list(range(0, world, world // plan.layout.pp))
+    for report in dry_run(overrides, world, first_of_each_stage):
+        planned = plan.ranks[report.coords.get("pp", 0)].peak_bytes
+        assert abs(planned / report.peak_bytes - 1) < 0.10, (report.rank, planned, report.peak_bytes)
+
+
 @pytest.mark.multirank
 def test_model_state_bytes_equal_a_real_run(tmp_path):
     """pp 2 x dp 2 (ZeRO-3) on 4 gloo ranks: the run logs the max over ranks of its local bytes."""

@@ -169,6 +169,24 @@ def test_dry_run_sends_the_planned_all_to_all_bytes():
     assert counts_exchange < planned and report.comm["ep"]["all_to_all"].sent_bytes == planned
 
 
+@pytest.mark.parametrize("mode", ["op", "selective"])
+def test_recomputed_blocks_exchange_their_tokens_again_as_planned(mode):
+    """A recomputed MoE block (op: the combine's output is no matmul's, so the replay reaches both
+    all-to-alls; selective: the checkpointed blocks only) sends its tokens again in backward."""
+    from parallel3d.dryrun import dry_run
+    from parallel3d.planner import predict
+
+    overrides = [*FAST, *MOE, "parallel.ep=2", f"model.activation_checkpoint={mode}", "run_dir=/nonexistent"]
+    [report] = dry_run(overrides, 2, [0])
+    cfg = compose(overrides)
+    check(cfg, 2)
+    without = compose([*overrides[:-2], "run_dir=/nonexistent"])
+    check(without, 2)
+    planned = predict(cfg, 2).comm_bytes["ep"]["all_to_all"]
+    assert planned > predict(without, 2).comm_bytes["ep"]["all_to_all"]
+    assert report.comm["ep"]["all_to_all"].sent_bytes == planned
+
+
 def test_hugging_face_weights_load_into_sharded_experts(parity, moe_reference):
     """A checkpoint exported in Qwen3-MoE's layout (one tensor per expert) starts ep2 x dp4, where each
     rank reads half of its ep rank's experts (FSDP over expert_dp), where it starts one process."""

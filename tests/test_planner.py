@@ -1,6 +1,7 @@
 """The planner predicts what the code does: model-state bytes exactly (against ranks built on torch's
 fake process group here, and against every parity run in conftest.Parity), activations to the
-byte on CPU, bubbles as torch's own schedules idle, and it recommends the layouts practice does.
+byte on CPU (tests/test_planner_activations.py), bubbles as torch's own schedules idle, and it
+recommends the layouts practice does.
 
 Ranks are built in forks of this process, one per fake rank (DTensor caches layouts per mesh, and
 the meshes of different ranks compare equal); no torchrun."""
@@ -8,34 +9,26 @@ the meshes of different ranks compare equal); no torchrun."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import multiprocessing
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from parallel3d.config import compose
-from parallel3d.data.documents import document_inputs
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import model_state_bytes
 from parallel3d.models import Transformer
 from parallel3d.optim import build_optimizer
 from parallel3d.parallel import ParallelPlan, parallelize
-from parallel3d.parallel.activation import apply_activation_checkpointing
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts
-from parallel3d.parallel.tensor import apply_tensor_parallel
 from parallel3d.planner import Hardware, predict, rank_layouts
 from parallel3d.planner.comm import ring
 from parallel3d.planner.plan import evaluate
@@ -161,141 +154,6 @@ def test_sharding_arithmetic_by_hand():
                             (3, (params, params, 2 * params))]:
         plan = predict(compose([f"parallel.zero_stage={stage}"]), 4)
         assert (plan.param_bytes, plan.grad_bytes, plan.optim_state_bytes - 4 * tensors) == expected
-
-
-# ---------------------------------------------------------------------------------------------
-# Activations: what autograd keeps between forward and backward
-
-
-class LiveStorages(TorchDispatchMode):
-    """Records every storage an op creates; ``alive()`` sums those still referenced (by autograd's
-    saved tensors, checkpoint caches, or the caller), each once."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, weakref.ref] = {}
-        self.created: list[weakref.ref] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            t = t._local_tensor if isinstance(t, DTensor) else t
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                storage = t.untyped_storage()
-                known = self.refs.get(id(storage))
-                if known is None or known() is not storage:  # ids of dead storages get reused
-                    self.refs[id(storage)] = ref = weakref.ref(storage)
-                    self.created.append(ref)
-        return out
-
-    def alive(self, exclude: set[int]) -> int:
-        seen, total = set(exclude), 0
-        for ref in self.created:
-            storage = ref()
-            if storage is None:
-                continue
-            try:
-                ptr = storage.data_ptr()
-            except RuntimeError:  # fake process group outputs without data
-                continue
-            if ptr not in seen:
-                seen.add(ptr)
-                total += storage.nbytes()
-        return total
-
-
-MODES = ("none", "full", "selective", "op")
-DTYPES = (torch.float32, torch.bfloat16)
-
-
-def measured_activations(c, world: int, pp_rank: int) -> dict[tuple[str, torch.dtype], int]:
-    """Bytes one microbatch leaves alive after the forward of ``pp_rank``'s stage (its tp rank 0),
-    for every checkpointing mode and compute dtype."""
-    if world > 1:
-        dist.init_process_group("fake", rank=pp_rank * world // c.parallel.pp, world_size=world, store=FakeStore())
-    try:
-        meshes = build_mesh(ParallelDims.from_config(c.parallel), "cpu")
-        return {(mode, dtype): _stage_activations(c, meshes, pp_rank, mode, dtype)
-                for mode in MODES for dtype in DTYPES}
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
-
-
-def _stage_activations(c, meshes, pp_rank: int, mode: str, dtype: torch.dtype) -> int:
-    (part,) = _build(c, meshes, pp_rank)
-    if meshes.tp is not None:
-        apply_tensor_parallel(part, meshes.tp, c.parallel.sequence_parallel)
-    apply_activation_checkpointing(part, mode, c.model.activation_checkpoint_every)
-    part.to_empty(device="cpu")
-    part.init_weights(0)
-    # As setup.train_step computes: in every layout FSDP's mixed-precision policy casts the
-    # parameters, and the whole model, its residual stream included, computes in ``dtype``.
-    part.to(dtype)
-    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
-    exclude = {local(t).untyped_storage().data_ptr() for t in [*part.parameters(), *part.buffers()]}
-    b, s = c.train.micro_batch_size, c.train.seq_len
-    if part.embeds_input:
-        x = torch.randint(0, 256, (b, s))
-        exclude.add(x.untyped_storage().data_ptr())
-    targets = torch.randint(0, 256, (b * s,))
-    exclude.add(targets.untyped_storage().data_ptr())
-    documents = document_inputs(torch.randint(0, 257, (b, s)), c.data)  # inputs, like the tokens
-    exclude |= {t.untyped_storage().data_ptr() for t in documents.values()}
-    tracker = LiveStorages()
-    with (loss_parallel() if meshes.tp is not None else contextlib.nullcontext()), tracker:
-        if not part.embeds_input:  # received activations: the pipeline stage keeps them, so they count
-            rows = s // c.parallel.tp if c.parallel.tp > 1 and c.parallel.sequence_parallel else s
-            x = torch.randn(b, rows, c.model.dim, dtype=dtype, requires_grad=True)
-        out = part(x, **documents)
-        if part.norm is not None:  # the last stage: the loss, as train.py computes it
-            loss = F.cross_entropy(out.flatten(0, 1).float(), targets, reduction="sum")  # noqa: F841
-            if c.parallel.pp == 1:
-                del out  # autograd keeps no logits; a pipeline schedule keeps every stage's output
-    return tracker.alive(exclude) - (8 if part.norm is not None else 0)  # less the loss itself
-
-
-ACTIVATION_CASES = {
-    "single": (1, ["train.micro_batch_size=2", "train.seq_len=64"], 0),
-    "dp2": (2, ["parallel.dp_shard=2", "train.micro_batch_size=2", "train.seq_len=64"], 0),
-    "dp2-pp2-last": (4, ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch_size=2", "train.seq_len=64"], 1),
-    "tp2": (2, ["parallel.tp=2", "train.micro_batch_size=2", "train.seq_len=64"], 0),
-    "tp2-no-sp-tied": (2, ["parallel.tp=2", "parallel.sequence_parallel=false", "model.tie_embeddings=true",
-                           "train.micro_batch_size=3", "train.seq_len=40", "train.global_batch_size=12"], 0),
-    "tp4": (4, ["parallel.tp=4", "model.n_heads=8", "model.n_kv_heads=4", "train.micro_batch_size=1"], 0),
-    "tp2-pp3-middle": (6, ["parallel.tp=2", "parallel.pp=3", "model.n_layers=5", "train.global_batch_size=6",
-                           "train.micro_batch_size=1", "train.seq_len=128"], 1),
-    "tp2-pp3-last": (6, ["parallel.tp=2", "parallel.pp=3", "model.n_layers=5", "train.global_batch_size=6",
-                         "train.micro_batch_size=1", "train.seq_len=128"], 2),
-    "single-documents": (1, ["data.document_masking=true", "data.reset_positions=true", "train.micro_batch_size=2",
-                             "train.seq_len=64"], 0),
-    "tp2-pp2-documents": (4, ["data.document_masking=true", "parallel.tp=2", "parallel.pp=2",
-                              "train.micro_batch_size=2", "train.seq_len=64"], 1),
-}
-
-
-@pytest.mark.parametrize("name", list(ACTIVATION_CASES))
-def test_activation_bytes_per_microbatch(name):
-    """Every checkpointing mode in float32 and bfloat16, against what the CPU kernels keep."""
-    world, overrides, pp_rank = ACTIVATION_CASES[name]
-    cfg, c = _config([*overrides, "train.device=cpu"], world)
-    measured = in_fork(measured_activations, c, world, pp_rank)
-    for (mode, dtype), kept in measured.items():
-        variant = copy.deepcopy(cfg)
-        variant.model.activation_checkpoint, variant.train.param_dtype = mode, str(dtype).split(".")[1]
-        (predicted,) = predict(variant, world).ranks[pp_rank].activation_per_microbatch.values()
-        assert abs(predicted - kept) <= 0.01 * kept, (mode, dtype, predicted, kept)
-
-
-def test_checkpointing_and_parallelism_shrink_activations_in_order():
-    sizes = {}
-    for mode in ("none", "op", "selective", "full"):
-        sizes[mode] = predict(compose([f"model.activation_checkpoint={mode}"]), 1).activation_bytes
-    assert sizes["full"] < sizes["selective"] < sizes["none"] and sizes["op"] < sizes["none"]
-    sp = predict(compose(["parallel.tp=2", "train.micro_batch_size=16"]), 2).activation_bytes
-    no_sp = predict(compose(["parallel.tp=2", "parallel.sequence_parallel=false", "train.micro_batch_size=16"]),
-                    2).activation_bytes
-    assert sp < no_sp < 2 * sp
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ for the layouts the README recommends and the 405B recipe. Prints a Markdown tab
 
     python tools/bench_memory.py            # ~10 minutes on 2 CPU cores
     python tools/bench_memory.py --quick    # the 8B-shaped 4-block matrix of tests/test_dryrun.py
+    python tools/bench_memory.py --moe      # Qwen3-30B-A3B-shaped, 4 blocks: experts by ep and ZeRO stage
 
 The planner is asked for CPU kernels (``train.device=cpu``), which is what the dry run executes;
 its GPU figure (fused RMSNorm and attention kernels) is shown beside it, unverified here.
@@ -39,6 +40,19 @@ LAYOUTS = {
                                                  "model.activation_checkpoint=op"], [0]),
     "405B recipe: tp8 pp8 dp8 ZeRO-3, ac=full": (512, ["recipe=llama3_405b"], [0, 64, 448]),
     "405B recipe, ac=none": (512, ["recipe=llama3_405b", "model.activation_checkpoint=none"], [0]),
+}
+# Qwen3-30B-A3B's shapes (128 experts of 768, top 8) cut to 4 blocks, bf16, 1024 tokens: where
+# experts sit in the data-parallel units (expert_dp > 1) or cast themselves (expert_dp = 1).
+MOE_BASE = ["model=qwen3_30b_a3b", "model.n_layers=4", "train.seq_len=1024", "train.micro_batch_size=1",
+            "train.global_batch_size=8", "train.param_dtype=bfloat16"]
+MOE = {
+    "dp2 ZeRO-3": (2, ["parallel.zero_stage=3"]),
+    "ep2 dp2 ZeRO-3": (2, ["parallel.ep=2", "parallel.zero_stage=3"]),
+    "ep2 dp2 ZeRO-3, ac=op": (2, ["parallel.ep=2", "parallel.zero_stage=3", "model.activation_checkpoint=op"]),
+    "ep2 dp2 ZeRO-1, every 2nd block": (2, ["parallel.ep=2", "parallel.zero_stage=1", "model.moe.every=2"]),
+    "ep2 dp4 ZeRO-2": (4, ["parallel.ep=2", "parallel.zero_stage=2"]),
+    "ep2 dp4 ZeRO-3": (4, ["parallel.ep=2", "parallel.zero_stage=3"]),
+    "ep2 dp2 pp2 ZeRO-3": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"]),
 }
 
 
@@ -78,11 +92,14 @@ def table(layouts: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the small matrix of tests/test_dryrun.py instead")
+    parser.add_argument("--moe", action="store_true", help="the mixture-of-experts matrix instead")
     args = parser.parse_args(argv)
     quick = {f"8B-shaped, 4 blocks: {name}": (world, [*QUICK_BASE, *overrides], None)
              for name, (world, overrides) in QUICK.items()}
+    moe = {f"Qwen3-30B-A3B-shaped, 4 blocks: {name}": (world, [*MOE_BASE, *overrides], None)
+           for name, (world, overrides) in MOE.items()}
     return print_dry_run_table("Peak memory per rank, measured and planned", "bench_memory.py", argv,
-                               lambda: table(quick if args.quick else LAYOUTS))
+                               lambda: table(quick if args.quick else moe if args.moe else LAYOUTS))
 
 
 if __name__ == "__main__":

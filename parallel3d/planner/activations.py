@@ -52,6 +52,9 @@ class Geometry:
     cpu: bool  # composite RMSNorm (CPU kernels); cuda: fused kernels
     mask: int = 0  # M: bytes of the attention mask a block keeps (document masking)
     token_rope: bool = False  # per-token RoPE tables (reset positions)
+    sequences: int = 1  # b: sequences per micro batch
+    ep: int = 1  # expert-parallel degree
+    expert_cast: bool = False  # experts in no data-parallel unit cast their own weights to c
 
     @classmethod
     def of(cls, layout: Layout) -> "Geometry":
@@ -59,7 +62,8 @@ class Geometry:
         split = layout.tp > 1 and layout.sequence_parallel
         mask = layout.compute_bytes * tokens * layout.seq_len if layout.document_masking else 0
         return cls(tokens, tokens // layout.tp if split else tokens, layout.compute_bytes, layout.tp,
-                   layout.device == "cpu", mask, layout.reset_positions)
+                   layout.device == "cpu", mask, layout.reset_positions, layout.micro_batch_size, layout.ep,
+                   layout.ep > 1 and layout.expert_dp == 1 and layout.compute_bytes != 4)
 
 
 def norm_bytes(model: ModelShape, g: Geometry) -> int:
@@ -69,19 +73,74 @@ def norm_bytes(model: ModelShape, g: Geometry) -> int:
     return saved_inside + 4 * Tn + g.c * g.tokens * D
 
 
-def block_bytes(model: ModelShape, g: Geometry, mode: str) -> int:
+def block_bytes(model: ModelShape, g: Geometry, mode: str, moe: bool = False) -> int:
     """Bytes one transformer block keeps per micro batch under checkpointing ``mode``
-    (``selective`` is resolved per block by :func:`stage_activation_bytes`)."""
+    (``selective`` is resolved per block by :func:`stage_activation_bytes`); ``moe``: its
+    feed-forward is a mixture of experts (:func:`moe_bytes`)."""
     D, F, kv, H, T, t, c = model.dim, model.ffn_dim, model.kv_dim, model.n_heads, g.tokens, g.t, g.c
     block_input = g.c * g.tokens_norm * D
     lse = 4 * T * H // t
+    stats = moe_host_stats_bytes(model, g) if moe else 0
     if mode == "full":
-        return block_input
+        return block_input + stats
     if mode == "op":  # SAC: matmul, SDPA and tp reduction outputs kept, everything else recomputed
-        reductions = 2 * c * g.tokens_norm * D if t > 1 else 0
-        return block_input + c * T * (2 * D // t + 2 * kv // t + 2 * D + 2 * F // t) + lse + reductions
+        reductions = c * g.tokens_norm * D if t > 1 else 0  # after wo
+        attention = block_input + c * T * (2 * D // t + 2 * kv // t + D) + lse + reductions
+        if moe:
+            return attention + moe_bytes(model, g, "op") + stats
+        return attention + c * T * (D + 2 * F // t) + reductions
     attention = c * T * (3 * D + 2 * kv) // t + lse + g.mask + (4 * T * D // H if g.token_rope else 0)
+    if moe:
+        return norm_bytes(model, g) + moe_norm_bytes(model, g) + attention + moe_bytes(model, g, "none") + stats
     return 2 * norm_bytes(model, g) + attention + 4 * c * T * F // t
+
+
+def moe_norm_bytes(model: ModelShape, g: Geometry) -> int:
+    """The norm before a MoE feed-forward: the router reads this rank's tokens (its sequence shard
+    under tensor parallelism), the shared experts, if any, the all-gathered sequence."""
+    D, Tn = model.dim, g.tokens_norm
+    saved_inside = (4 + 4) * Tn * D if g.cpu else g.c * Tn * D
+    gathered = g.c * g.tokens * D if model.shared_experts and g.t > 1 else 0
+    return saved_inside + 4 * Tn + g.c * Tn * D + gathered
+
+
+def moe_bytes(model: ModelShape, g: Geometry, mode: str) -> int:
+    """What a MoE feed-forward keeps (``models.moe.MoE.forward``), ``mode`` none or op, routing
+    taken balanced (each rank computes as many token copies as it routes). Tr = tokens routed
+    here (Tn), R = Tr·K copies, He the expert hidden size, Hs = shared x He.
+
+        none   router: scores 4·Tr·E (+ the sigmoid's sum 4·Tr, with an aux loss; + renormalized
+               weights 4·R and their sum 4·Tr); int64 top-k experts, sort order, token of each copy 3·8·R;
+               copies in expert order, the experts' outputs and the weighted outputs 3·c·R·D;
+               experts' hiddens 4·c·R·He; the weights in compute dtype c·R; the aux loss's
+               per-sequence load 4·b·E. Under ep the copies arrive over an all-to-all: their
+               expert order on the receiver is one more int64 8·R and the experts' outputs,
+               before they go back, one more c·R·D (the sender's copies are not kept). Experts
+               that cast themselves (ep with no expert_dp ranks, below float32) keep the cast:
+               3·(E/ep)·He·D·c.
+        op     matmul outputs: the router's logits c·Tr·E, the experts' w1 and w3 2·c·R·He and
+               w2 c·R·D.
+    Shared experts: a dense SwiGLU of Hs over the gathered sequence (tp-split like one), plus
+    under op their w2 partial sums and reduce-scatter output.
+    """
+    D, E, K, He, c, t = model.dim, model.num_experts, model.top_k, model.expert_ffn_dim, g.c, g.t
+    Tr, T, Hs = g.tokens_norm, g.tokens, model.shared_experts * model.expert_ffn_dim
+    R = Tr * K
+    if mode == "op":
+        shared = c * T * (D + 2 * Hs // t) + (c * Tr * D if t > 1 else 0) if Hs else 0
+        return c * Tr * E + 2 * c * R * He + c * R * D + shared
+    sigmoid_sum = 4 * Tr if model.router == "sigmoid" and model.aux_loss else 0  # its scores feed the aux loss only
+    router = 4 * Tr * E + sigmoid_sum + (4 * R + 4 * Tr if model.norm_topk_prob else 0)
+    copies = (3 + (g.ep > 1)) * c * R * D + (3 + (g.ep > 1)) * 8 * R
+    aux = 4 * g.sequences * E if model.aux_loss else 0
+    cast = 3 * E // g.ep * He * D * c if g.expert_cast else 0  # the expert matmuls keep their weights
+    return router + copies + 4 * c * R * He + c * R + aux + (4 * c * T * Hs // t if Hs else 0) + cast
+
+
+def moe_host_stats_bytes(model: ModelShape, g: Geometry) -> int:
+    """Each MoE forward's expert counts and aux loss (float64) kept for the step's metrics: host
+    memory, so device memory on a CPU only."""
+    return 8 * (model.num_experts + 1) if g.cpu else 0
 
 
 def head_bytes(model: ModelShape, g: Geometry) -> int:
@@ -102,7 +161,7 @@ def stage_activation_bytes(model: ModelShape, stage: Stage, layout: Layout) -> i
     (The embedding keeps only the input tokens.) A pipeline schedule keeps each stage's output
     until the microbatch's backward: the hidden states sent on, or the last stage's logits."""
     g = Geometry.of(layout)
-    total = sum(block_bytes(model, g, checkpointed(layer, layout)) for layer in stage.blocks)
+    total = sum(block_bytes(model, g, checkpointed(layer, layout), model.is_moe(layer)) for layer in stage.blocks)
     if stage.last:
         total += head_bytes(model, g)
         if layout.pp > 1:

@@ -231,11 +231,13 @@ def _aux_loss_counts(out: dict, model: ModelShape, stages: list[Stage], layout: 
 def _expert_parallel(out: dict, model: ModelShape, stages: list[Stage], layout: Layout, reductions: int) -> None:
     """Token copies to their experts and back: every copy (dropless routing; with a capacity factor
     an upper bound, as dropped copies stay home)."""
-    moe_blocks = sum(model.is_moe(layer) for stage in stages for layer in stage.blocks)
     tokens = layout.micro_batch_size * layout.seq_len // (layout.cp * layout.tp)  # a rank routes its shard
     copies = tokens * model.top_k * model.dim * layout.compute_bytes
-    exchanges = 4 + 2 * (layout.activation_checkpoint == "full")  # dispatch + combine, forward and backward
-    out["ep"]["all_to_all"] += layout.micro_batches * moe_blocks * exchanges * ring("all_to_all", copies, layout.ep)
+    # Dispatch and combine, forward and backward; a recomputed block (full, or op: its combine's
+    # output is not a matmul's, so the replay reaches both exchanges) sends both again.
+    exchanges = sum(4 + 2 * (checkpointed(layer, layout) != "none") for stage in stages for layer in stage.blocks
+                    if model.is_moe(layer))
+    out["ep"]["all_to_all"] += layout.micro_batches * exchanges * ring("all_to_all", copies, layout.ep)
     # Before each dispatch (forward, and a recomputed forward) the ranks swap their tokens' counts
     # per expert (int64), which size the exchange.
     counts = model.num_experts * 8

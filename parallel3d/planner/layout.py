@@ -43,13 +43,15 @@ class ModelShape:
     shared_experts: int = 0
     moe_every: int = 1
     aux_loss: bool = False  # model.moe.aux_loss_coef > 0: its counts are summed over the ranks of a sequence
+    router: str = "softmax"
+    norm_topk_prob: bool = True
 
     @classmethod
     def from_config(cls, m) -> "ModelShape":
         moe = m.moe
         return cls(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings),
                    m.head_dim, bool(m.qk_norm), moe.num_experts, moe.top_k, moe.expert_ffn_dim or m.ffn_dim,
-                   moe.shared_experts, moe.every, moe.aux_loss_coef > 0)
+                   moe.shared_experts, moe.every, moe.aux_loss_coef > 0, moe.router, bool(moe.norm_topk_prob))
 
     @property
     def head_dim(self) -> int:

@@ -87,11 +87,32 @@ def stage_model_state(model: ModelShape, stage: Stage, layout: Layout, dp_rank: 
                ModelState())
 
 
+def unsharded_numel(spec: ParamSpec, layout: Layout) -> int:
+    """Elements of one parameter that data parallelism unshards (or casts a copy of) on a rank: its
+    tp-local tensor; under expert parallelism the experts' 1/ep, and none where no other rank holds
+    the same experts (expert_dp = 1): then they belong to no data-parallel unit and cast themselves
+    (``planner.activations.expert_cast_bytes``)."""
+    numel = math.prod(tp_local_shape(spec, layout.tp))
+    if spec.expert and layout.ep > 1:
+        return 0 if layout.expert_dp == 1 else numel // layout.ep
+    return numel
+
+
 def unsharded_gradient_bytes(model: ModelShape, stage: Stage, layout: Layout) -> int:
     """FSDP's unsharded gradients of a pipeline stage, accumulated (reduce dtype) over a schedule step."""
     if layout.pp == 1 or layout.shards == 1:
         return 0
-    return layout.reduce_bytes * sum(n * math.prod(tp_local_shape(p, layout.tp)) for p, n in stage.counted_params(model))
+    unsharded = sum(n * unsharded_numel(p, layout) for p, n in stage.counted_params(model))
+    return layout.reduce_bytes * unsharded + own_expert_gradient_bytes(model, stage, layout)
+
+
+def own_expert_gradient_bytes(model: ModelShape, stage: Stage, layout: Layout) -> int:
+    """Experts in no data-parallel unit (ep with expert_dp = 1) accumulate float32 ``.grad`` of
+    their own from their first backward: present at a peak where FSDP's sharded gradients are not."""
+    if layout.ep == 1 or layout.expert_dp > 1:
+        return 0
+    return MASTER_BYTES * sum(n * math.prod(expert_local_shape(p, layout)) for p, n in stage.counted_params(model)
+                              if p.expert)
 
 
 def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, block_peak: int) -> int:
@@ -110,19 +131,21 @@ def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, bloc
       its gradients.
     """
     c, reduce = layout.compute_bytes, layout.reduce_bytes
-    stage_numel = sum(n * math.prod(tp_local_shape(p, layout.tp)) for s in stages
-                      for p, n in s.counted_params(model))
-    block = sum(math.prod(tp_local_shape(p, layout.tp)) for p in block_params(model, 0))
+    stage_numel = sum(n * unsharded_numel(p, layout) for s in stages for p, n in s.counted_params(model))
+    layers = [layer for s in stages for layer in s.blocks]
+    size = {moe: sum(unsharded_numel(p, layout) for p in block_params(model, layer))  # a dense and a MoE block
+            for moe, layer in {model.is_moe(layer): layer for layer in layers}.items()}
+    block = max(size.values(), default=0)  # the largest block
     if layout.shards > 1:
         if layout.pp > 1:  # the unsharded gradients: from each stage's first backward, planner.schedule
             gathered = stage_numel * c
         elif layout.zero_stage == 1 and layout.micro_batches > 1:
-            gathered = stage_numel * (c + reduce)
+            gathered = stage_numel * (c + reduce) + sum(own_expert_gradient_bytes(model, s, layout) for s in stages)
         elif layout.zero_stage <= 2:
             gathered = stage_numel * c + block * reduce
         else:
             units = 1 + max(1, layout.fsdp_prefetch)  # the block in compute and the one prefetched
-            blocks = sum(len(s.blocks) for s in stages) * block
+            blocks = sum(size[model.is_moe(layer)] for layer in layers)
             gathered = (stage_numel - blocks + units * block) * c + block * reduce
     else:
         gathered = stage_numel * c if c != MASTER_BYTES else 0

@@ -186,9 +186,10 @@ def _backward_block_bytes(model: ModelShape, layout: Layout) -> int:
     """Memory a block's backward needs beyond what is stored: a checkpointed block rematerializes
     what it did not keep, and gradients of its activations are about one more activation set."""
     g = Geometry.of(layout)
-    modes = {checkpointed(layer, layout) for layer in range(model.n_layers)}
-    stored = min(block_bytes(model, g, mode) for mode in modes)
-    return 2 * block_bytes(model, g, "none") - stored + ring_scores_bytes(model, layout)
+    blocks = {(checkpointed(layer, layout), model.is_moe(layer)) for layer in range(model.n_layers)}
+    # The largest of the model's blocks (dense or MoE) in backward, as the estimate's worst case.
+    need = max(2 * block_bytes(model, g, "none", moe) - block_bytes(model, g, mode, moe) for mode, moe in blocks)
+    return need + ring_scores_bytes(model, layout)
 
 
 def _total(traffic: dict[str, dict[str, float]]) -> float:
