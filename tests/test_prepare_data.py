@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,12 @@ def test_a_killed_run_resumes_without_redoing_finished_shards(tmp_path):
             break
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
+    for _ in range(100):  # the workers die too (zombies until reaped: prepare_data._alive skips them)
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
     tok = load_tokenizer("byte")
     shards = src.resolve(str(tmp_path / "src"))
     files = [shard_files(s, tok, "text", 0.0, cache) for s in shards]

@@ -53,13 +53,19 @@ def _remove_abandoned(cache_dir: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (killed, not yet reaped by its new parent) writes no more."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # Linux: the state letter follows the parenthesized command name
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return not Path("/proc/self/stat").exists()  # gone since the kill above, or no /proc here
+    except (OSError, IndexError):
+        return True
 
 
 def prepare(sources: list[str], cache_dir: Path, workers: int, tokenizer_spec: str, text_field: str,
