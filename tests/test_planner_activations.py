@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import multiprocessing
 import os
 import socket
@@ -55,6 +56,10 @@ class LiveStorages(TorchDispatchMode):
         return out
 
     def alive(self, exclude: set[int]) -> int:
+        # Storages that only unreachable reference cycles still hold (autograd graphs of earlier
+        # forwards, awaiting Python's cyclic collector, which runs at no fixed point) are not
+        # activations: collect them first, or the count depends on when the collector last ran.
+        gc.collect()
         seen, total = set(exclude), 0
         for ref in self.created:
             storage = ref()

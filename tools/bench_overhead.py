@@ -182,7 +182,11 @@ def instructions(loop: str, overrides: list[str], steps: int, run_dir: Path) -> 
     run_dir.mkdir(parents=True, exist_ok=True)
     command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
                "--one", loop, "--run-dir", str(run_dir / f"{loop}-{steps}"), *overrides, f"train.steps={steps}"]
-    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+    # One BLAS thread: numpy's OpenBLAS otherwise keeps a worker that spins for a stretch of wall
+    # time after start-up, millions of instructions that depend on timing, not on the loop
+    # (measured 2026-11-24: 30.5M to 46.4M in runs of the same loop).
+    quiet = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **quiet})
     if proc.returncode:
         raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-2000:]}")
     totals = next(line for line in out.read_text().splitlines() if line.startswith(("summary:", "totals:")))
