@@ -199,9 +199,10 @@ def count(args, overrides: list[str], argv: list[str] | None) -> int:
         return 2
     per_step, losses = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.keep) if args.keep else Path(tmp)  # --keep: the profiles, for callgrind_annotate
         for name in LOOPS:
-            first, _ = instructions(name, overrides, args.steps, Path(tmp))
-            both, losses[name] = instructions(name, overrides, 2 * args.steps, Path(tmp))
+            first, _ = instructions(name, overrides, args.steps, out)
+            both, losses[name] = instructions(name, overrides, 2 * args.steps, out)
             per_step[name] = (both - first) / args.steps
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses["parallel3d"], losses["plain"]))
     if len(losses["parallel3d"]) != len(losses["plain"]) or worst > 1e-5:
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="n: runs of n and 2n steps are differenced")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: CPU time is stable)")
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
+    parser.add_argument("--keep", help="with --instructions: keep the callgrind profiles (<loop>-<steps>.callgrind) here")
     parser.add_argument("--one", choices=list(LOOPS), help=argparse.SUPPRESS)  # a single run, for --instructions
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. logging.log_every=10")
