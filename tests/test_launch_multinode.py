@@ -117,6 +117,11 @@ def test_slurm_job_requeues_itself_before_its_time_limit_and_resumes(reference, 
         while cluster.job_state(job_id) not in ("PENDING", *TERMINAL) and time.monotonic() < deadline:
             time.sleep(0.5)
         # Slurm holds a requeued job back for about two minutes (its BeginTime); not what is tested here.
+        # Only once the nodes are done with the first attempt, and a second later: slurmd refuses a
+        # credential issued in the second it revoked the job's old one ("Job credential revoked",
+        # seen under load when the start came at once).
+        cluster.wait_idle()
+        time.sleep(2)
         cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
         why = report(cluster, run_dir, job_id, cluster.wait_for_job(job_id, TIMEOUT_S))
     log = (run_dir / "slurm" / f"{job_id}.out").read_text()

@@ -244,7 +244,10 @@ class SlurmCluster:
         self._daemon(HEAD, ["slurmctld", "-D", "-i"])
         for name in self.nodes.names:
             self._daemon(name, ["slurmd", "-D", "-N", name])
+        self.wait_idle()
 
+    def wait_idle(self) -> None:
+        """Until every node is idle (no job on it, none still completing); raises after ``ready_timeout``."""
         def idle() -> bool:
             out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()
             return len(out) == len(self.nodes.names) and all(s == "idle" for s in out)
