@@ -21,6 +21,10 @@ class ConfigError(ValueError):
         super().__init__(f"{key}={value}: {problem}. Fix: {fix}.")
 
 
+class RunError(RuntimeError):
+    """A failure at run time that we can name: the message says which file and what to do."""
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

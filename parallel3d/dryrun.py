@@ -62,7 +62,7 @@ from parallel3d.config import Config, compose
 from parallel3d.mesh import Meshes, ParallelDims
 from parallel3d.metrics import model_state_bytes
 from parallel3d.optim import init_optimizer_state
-from parallel3d.setup import build_setup, train_step
+from parallel3d.step import build_setup, train_step
 from parallel3d.validate import check
 
 COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")

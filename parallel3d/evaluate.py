@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel3d.data import BatchSpec, StepSampler
 from parallel3d.parallel.pipeline import stage_ids
-from parallel3d.setup import Setup, rank_batch
+from parallel3d.step import Setup, rank_batch
 
 
 class Evaluator:

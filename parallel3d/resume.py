@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from parallel3d.checkpoint import META, complete_steps, find_checkpoint
-from parallel3d.faults import RunError
+from parallel3d.base import RunError
 
 # Keys that differ between any two starts and say nothing about training.
 UNCOMPARED = ("run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.create_seed")

@@ -28,9 +28,11 @@ from parallel3d.base import ConfigError, resolve_device, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
+from parallel3d.data.checks import check_corpus
+from parallel3d.distributed import init_distributed
 from parallel3d.evaluate import Evaluator
-from parallel3d.faults import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, StopSignals, Stopped, SweepFailures,
-                               attempt_store, check_corpus, log_path, report_failure, warnings_to_log)
+from parallel3d.failures import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, log_path, report_failure, warnings_to_log
+from parallel3d.launch.sweep import SweepFailures
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
 from parallel3d.parallel.expert import moe_statistics
@@ -38,7 +40,8 @@ from parallel3d.progress import Progress
 from parallel3d.resume import check_hf_weights, check_not_past_end, pick_checkpoint, report_changes
 from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
                                shared_run_dir, unwritable_run_dir)
-from parallel3d.setup import Setup, build_setup, train_step
+from parallel3d.signals import StopSignals, Stopped
+from parallel3d.step import Setup, build_setup, train_step
 from parallel3d.strictconfig import RecipeError
 from parallel3d.validate import check
 
@@ -48,21 +51,6 @@ class TrainingDiverged(RuntimeError):
 
 
 SWEEP_FAILURES = SweepFailures()
-
-
-def init_distributed(train, world_size: int) -> torch.device:
-    if resolve_device(train.device) == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():  # a caller's own group (tests/layout_batch.py) is kept
-        timeout = timedelta(seconds=train.dist_timeout_s)
-        store = attempt_store(timeout)  # None: torch's env:// rendezvous, as before
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
-                                device_id=device if device.type == "cuda" else None, store=store,
-                                rank=rank(), world_size=world_size)
-    return device
 
 
 def train(cfg: DictConfig) -> Path:
@@ -295,7 +283,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def run_job(cfg: DictConfig) -> None:
     """One run, every way it can end: done, a config error, divergence, a stop signal (requeue), or
-    a failure (one line here, the traceback in run_dir/logs; see faults.py)."""
+    a failure (one line here, the traceback in run_dir/logs; see failures.py)."""
     try:
         refuse_multirun_under_torchrun()
         train(cfg)

@@ -169,7 +169,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_
 
 
 def test_stop_signals_agree_ctrl_c_twice_exits_at_once(tmp_path, capsys):
-    from parallel3d.faults import StopSignals
+    from parallel3d.signals import StopSignals
 
     (tmp_path / "checkpoints" / "step_3").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_3" / "COMPLETE").write_text("")
@@ -197,7 +197,8 @@ def test_stop_signals_agree_ctrl_c_twice_exits_at_once(tmp_path, capsys):
 
 
 def test_a_failure_is_one_line_and_the_debug_switch_prints_the_traceback(tmp_path, monkeypatch, capsys):
-    from parallel3d.faults import RunError, report_failure
+    from parallel3d.base import RunError
+    from parallel3d.failures import report_failure
 
     def fail():
         raise RunError("data/x.bin is broken. Fix: write it again")
@@ -227,7 +228,7 @@ RESTART_PROBE = """
 import os
 from datetime import timedelta
 import torch, torch.distributed as dist
-from parallel3d.faults import attempt_store
+from parallel3d.distributed import attempt_store
 attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
 dist.init_process_group("gloo", store=attempt_store(timedelta(seconds=30)), rank=rank,
                         world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=30))
@@ -283,7 +284,8 @@ def test_empty_or_truncated_token_data_is_named(tmp_path):
     from types import SimpleNamespace
 
     from parallel3d.data import ByteTokenizer, TokenFile, write_token_file
-    from parallel3d.faults import RunError, check_corpus
+    from parallel3d.base import RunError
+    from parallel3d.data.checks import check_corpus
 
     path = write_token_file(["tiny"], ByteTokenizer(), tmp_path / "tiny.bin")
     with pytest.raises(RunError, match=f"{path} holds 5 tokens, fewer than one sequence of train.seq_len=64"):
@@ -296,7 +298,7 @@ def test_empty_or_truncated_token_data_is_named(tmp_path):
 def test_warnings_of_other_ranks_go_to_their_log_file(tmp_path, monkeypatch, capsys):
     import warnings
 
-    from parallel3d.faults import warnings_to_log
+    from parallel3d.failures import warnings_to_log
 
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after the test
     log = tmp_path / "rank1.log"

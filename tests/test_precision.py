@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from conftest import prefetch_selected, relative_error
 from parallel3d.config import compose
-from parallel3d.setup import build_setup
+from parallel3d.step import build_setup
 from parallel3d.validate import check
 
 BF16 = ["train.param_dtype=bfloat16"]

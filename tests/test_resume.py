@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from parallel3d.config import OptimConfig
-from parallel3d.faults import RunError
+from parallel3d.base import RunError
 from parallel3d.optim import build_lr_scheduler, lr_factor, set_schedule_step
 from parallel3d.resume import (check_hf_weights, check_not_past_end, checkpoint_problem, config_changes,
                                pick_checkpoint)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from parallel3d.data.sources import DataError, Shard, is_token_file, resolve
-from parallel3d.base import ConfigError
+from parallel3d.base import ConfigError, RunError
 
 
 def check_data(cfg) -> None:
@@ -100,3 +100,16 @@ def _first_json_record_fields(shard: Shard) -> list[str] | None:
                 record = json.loads(line)
                 return list(record) if isinstance(record, dict) else []
     return None
+
+
+def check_corpus(corpus, seq_len: int, data_cfg) -> None:
+    """Refuse token data too short for one sequence, naming the file. ``corpus``: a TokenFile, or
+    the data.Corpus of several sources. (A vocabulary larger than the model's is refused before any
+    process group, by validation: parallel3d/data/checks.py.)"""
+    where = getattr(corpus, "path", None) or data_cfg.path or ", ".join(getattr(data_cfg, "sources", None) or [])
+    sources = getattr(corpus, "sources", None)
+    size = len(corpus) if sources is None else sum(len(a) for s in sources for a in s.arrays)
+    if size < seq_len + 1:
+        raise RunError(f"{where or 'the corpus'} holds {size} tokens, fewer than one sequence of "
+                       f"train.seq_len={seq_len} needs ({seq_len + 1}). Fix: prepare more data "
+                       f"(tools/prepare_data.py) or lower train.seq_len")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from parallel3d.faults import RunError
+from parallel3d.base import RunError
 from parallel3d.progress import Progress
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from parallel3d.config import compose
-from parallel3d.setup import build_setup, train_step
+from parallel3d.step import build_setup, train_step
 from parallel3d.validate import check
 
 

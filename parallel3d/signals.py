@@ -1,0 +1,92 @@
+"""Stop requests from signals: a stop after the current step, with a checkpoint first.
+
+``StopSignals`` turns SIGTERM (preemption; what torchrun forwards to its workers) and SIGUSR1
+(Slurm's warning before the time limit, forwarded by the batch script) into "stop after this
+step, with a checkpoint", and the run exits ``EXIT_REQUEUE``. The first Ctrl-C does the same and
+says where the run is; a second one exits at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallel3d.failures import EXIT_REQUEUE
+
+
+class Stopped(Exception):
+    """Stopped on a signal after ``step``, with a checkpoint at ``checkpoint``."""
+
+    def __init__(self, step: int, checkpoint: Path, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}; "
+                         f"exit {EXIT_REQUEUE}: start the same command again to resume")
+        self.step, self.checkpoint = step, checkpoint
+
+
+def last_checkpoint(checkpoints: Path) -> str:
+    from parallel3d.checkpoint import complete_steps
+
+    steps = complete_steps(checkpoints)
+    return str(checkpoints / f"step_{steps[-1]}") if steps else "none yet"
+
+
+class StopSignals:
+    """Stop requests from signals, agreed by every rank at the same step.
+
+    A handler only sets a flag; ``should_stop()`` (once per step) makes every rank see the same
+    answer by one all_reduce of one int32 over a gloo group of its own (a CPU tensor, so it never
+    waits for a GPU stream; not the checkpointer's group, whose asynchronous saves run collectives
+    from a thread). With one process it is a flag read.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, checkpoints: Path, group=None, verbose: bool = True):
+        self.checkpoints, self.group, self.verbose = checkpoints, group, verbose
+        self.received: int | None = None
+        self.step = 0  # the last finished step
+        self._previous: dict[int, object] = {}
+
+    @classmethod
+    def for_run(cls, checkpoints: Path, verbose: bool, timeout) -> StopSignals:
+        """Under several ranks, with the gloo group they agree over (every rank must call this)."""
+        group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        return cls(checkpoints, group, verbose)
+
+    def install(self) -> StopSignals:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # Python handles signals there only
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt  # the second Ctrl-C: at once
+        self.received = signum
+        if self.verbose:
+            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            again = "; Ctrl-C again to exit now" if signum == signal.SIGINT else ""
+            print(f"\nparallel3d: {name} during step {self.step + 1} (last checkpoint: "
+                  f"{last_checkpoint(self.checkpoints)}): stopping after this step with a checkpoint{again}",
+                  file=sys.stderr, flush=True)
+
+    def should_stop(self, step: int) -> bool:
+        """Whether every rank stops after ``step`` (a collective under several ranks: all call it)."""
+        self.step = step
+        if self.group is None:
+            return self.received is not None
+        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
