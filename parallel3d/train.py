@@ -33,6 +33,7 @@ from parallel3d.distributed import init_distributed
 from parallel3d.evaluate import Evaluator
 from parallel3d.failures import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, log_path, report_failure, warnings_to_log
 from parallel3d.launch.sweep import SweepFailures
+from parallel3d.mesh import ParallelDims
 from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
 from parallel3d.models import Transformer, flops_per_token, num_params
 from parallel3d.parallel.expert import moe_statistics
@@ -105,11 +106,16 @@ def save_seed(checkpointer: Checkpointer, setup: Setup, config_yaml: str, is_ran
 
 
 def print_banner(c: Config, setup: Setup, world_size: int, run_dir: Path) -> None:
+    print(banner(c, setup.dims, setup.device.type, world_size, run_dir), flush=True)
+
+
+def banner(c: Config, dims: ParallelDims, device_type: str, world_size: int, run_dir: Path) -> str:
+    """The run's first console line (the README shows it; tests/test_docs.py keeps the two equal)."""
     with torch.device("meta"):  # the whole model's size, whatever part of it this rank holds
         size = num_params(Transformer(c.model))
-    print(f"parallel3d | {c.recipe or 'custom'} | model {c.model.name} {size / 1e6:.2f}M params | "
-          f"{world_size} ranks {setup.dims.sizes()} zero_stage {c.parallel.zero_stage} | {setup.device.type} | "
-          f"run_dir {run_dir}", flush=True)
+    return (f"parallel3d | {c.recipe or 'custom'} | model {c.model.name} {size / 1e6:.2f}M params | "
+            f"{world_size} ranks {dims.sizes()} zero_stage {c.parallel.zero_stage} | {device_type} | "
+            f"run_dir {run_dir}")
 
 
 class TrainLoop:

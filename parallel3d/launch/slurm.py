@@ -102,16 +102,22 @@ def render(s, overrides: list[str], run_dir: Path, job_name: str, workdir: Path)
     return "\n".join(lines) + "\n"
 
 
-def prepare(overrides: list[str], run_dir: Path | None) -> tuple[Path, str]:
-    """Compose ``overrides`` once more for the settings and write the script; (script, text)."""
+def script_for(overrides: list[str], run_dir: Path | None = None, *, workdir: Path | None = None) -> tuple[Path, str]:
+    """Compose ``overrides`` once more for the settings; (where the script goes, its text).
+    ``workdir`` (default: here) is where the job starts; docs/launch.md shows this function's text."""
     from parallel3d.config import compose
 
     cfg = compose(overrides)
     run_dir = run_dir or Path(os.path.abspath(given_run_dir(overrides) or hydra_run_dir(overrides)))
     overrides = [o for o in overrides if sweep.key_of(o) != "run_dir"] + [f"run_dir={run_dir}"]
     job_name = cfg.slurm.job_name or cfg.recipe or "parallel3d"
-    text = render(cfg.slurm, pin_run_dir(overrides), run_dir, job_name, Path.cwd())
-    script = run_dir / "slurm" / "job.sbatch"
+    text = render(cfg.slurm, pin_run_dir(overrides), run_dir, job_name, workdir or Path.cwd())
+    return run_dir / "slurm" / "job.sbatch", text
+
+
+def prepare(overrides: list[str], run_dir: Path | None) -> tuple[Path, str]:
+    """Write the script for ``overrides``; (script, text)."""
+    script, text = script_for(overrides, run_dir)
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(text)
     return script, text
