@@ -24,22 +24,17 @@ from parallel3d.validate import check
 BF16 = ["train.param_dtype=bfloat16"]
 # Data- and pipeline-parallel layouts, losses: the issue's bound. bf16 keeps 8 bits of mantissa,
 # so a different float32 summation order anywhere (reduce-scatter, micro-batch accumulation) moves
-# a master weight by an ulp that can flip its bf16 copy. Measured 2026-11-23, largest step of 10,
-# losses / grad norms: ZeRO-0 dp2 4.6e-5 / 2.6e-4, ZeRO-1 5.8e-5 / 2.8e-4, ZeRO-3 5.2e-5 / 2.7e-4,
-# pp2 3.8e-5 / 3.2e-4, ZeRO-2 dp2 pp2 7.6e-5 / 7.1e-4, cp2 3.0e-5 / 4.4e-4 (against one process
-# with micro batches of 16). 2026-11-24, AMD EPYC with AVX512_BF16, losses against one process
-# with the layout's micro batch: ZeRO-0 dp2 0 (bit for bit), ZeRO-3 3.2e-5, pp2 2.1e-5, ZeRO-1
-# 6.4e-5, ZeRO-2 dp2 pp2 1.6e-5, cp2 3.6e-5, tp2 1.8e-4; see ``bf16_reference``.
+# a master weight by an ulp that can flip its bf16 copy. The layouts' differences from one process
+# (docs/parallelism.md, "Precision") sit below these bounds with room for another CPU's kernels.
 DATA_PIPELINE = (1e-4, 1e-3)  # (losses, grad norms), relative, every step
 # Tensor parallelism also splits each matmul's reduction: row-parallel wo and w2 sum bf16 partial
-# products over the tp ranks, a second bf16 rounding. Measured 2026-11-23: losses 1.3e-4 (step 9),
-# grad norms 3.7e-3 (step 4), about one bf16 ulp (2**-8 = 3.9e-3).
+# products over the tp ranks, a second bf16 rounding: up to about one bf16 ulp (2**-8 = 3.9e-3) in
+# grad norm.
 TENSOR = (2.5e-4, 1e-2)
 # All-to-all context parallelism computes its projections on 16 half sequences per rank (the rows of
 # one process at micro batch 8) and its attention on whole sequences (as at micro batch 16): no one
 # process computes those shapes together. Where the CPU's bf16 kernels round by shape, one process
-# itself moves between micro batches 8 and 16 by 1.4e-3 in grad norm (step 4; AMD EPYC, AVX512_BF16,
-# measured 2026-11-24), and cp2 lands with either: 1.4e-3 from micro 16, at most 3.1e-4 from micro 8.
+# itself moves between micro batches 8 and 16 in grad norm, and cp2 lands near either of the two.
 # Its losses keep the data-parallel bound; its grad norms get that spread.
 CONTEXT = (1e-4, 2.5e-3)
 
@@ -74,10 +69,9 @@ REFERENCES = {16: "bf16", 8: "bf16-micro8", 4: "bf16-micro4"}  # micro batch siz
 def bf16_reference(parity, micro_batch_size: int = 16):
     """One process with the layout's micro batch size (16: the whole batch in one micro batch, the
     same run as test_parallel_float8's). In bf16 the micro batch size alone moves the losses of one
-    process: the CPU's bf16 matmul kernels block their float32 sums by the matrix shape. Measured
-    2026-11-24 on an AMD EPYC with AVX512_BF16, largest step of 10: micro batches of 8 against 16
-    1.4e-4, 4 against 16 9.1e-5 (on the machine of 2026-11-23 such differences stayed under the
-    bounds above). Each layout is held to one process computing the same shapes."""
+    process on CPUs whose bf16 matmul kernels block their float32 sums by the matrix shape (by as
+    much as a layout differs: docs/parallelism.md, "Precision"). Each layout is held to one process
+    computing the same shapes."""
     return parity.run(REFERENCES[micro_batch_size], 1, [*BF16, f"train.micro_batch_size={micro_batch_size}"])
 
 

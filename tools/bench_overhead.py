@@ -188,7 +188,7 @@ def instructions(loop: str, overrides: list[str], steps: int, run_dir: Path) -> 
                "--one", loop, "--run-dir", str(run_dir / f"{loop}-{steps}"), *overrides, f"train.steps={steps}"]
     # One BLAS thread: numpy's OpenBLAS otherwise keeps a worker that spins for a stretch of wall
     # time after start-up, millions of instructions that depend on timing, not on the loop
-    # (measured 2026-11-24: 30.5M to 46.4M in runs of the same loop).
+    # (BENCHMARKS.md gives the spread).
     quiet = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **quiet})
     if proc.returncode:

@@ -23,8 +23,8 @@ Two ways to attend across the ranks (``parallel.cp_method``):
 
 Why our own ring: torch's ``context_parallel`` (torch.distributed.tensor.experimental) runs its
 ring on CUDA only; on CPU in torch 2.13 SDPA dispatches the CPU flash kernel
-(``_scaled_dot_product_flash_attention_for_cpu``), which has no sharding strategy registered
-(measured 2026-11-23), so a CPU-tested ring needs plain torch ops. Ours is one
+(``_scaled_dot_product_flash_attention_for_cpu``), which has no sharding strategy registered,
+so a CPU-tested ring needs plain torch ops. Ours is one
 autograd.Function over batch_isend_irecv. Its blocks are plain matmuls (no fused kernel): the
 scores of one block exist at a time, in float32 or the compute dtype.
 
