@@ -158,3 +158,15 @@ def test_every_path_the_docs_name_exists():
             if not (ROOT / path).exists() and path not in IN_THE_WHEEL:
                 missing.add(f"{page.name}: {path}")
     assert not missing
+
+
+def test_readme_layout_names_every_module_and_subpackage():
+    """Each parallel3d/NAME.py and parallel3d/NAME/ appears in the README's layout of the repository
+    (as its path, or as NAME.py on the line of a module it shares a line with)."""
+    readme = README.read_text()
+    layout = readme[readme.index("## Layout of the repository"):]
+    named = set(re.findall(r"\b(\w+\.py)\b", layout)) | set(re.findall(r"^parallel3d/(\w+)/", layout, flags=re.M))
+    package = ROOT / "parallel3d"
+    modules = {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
+    subpackages = {p.parent.name for p in package.glob("*/__init__.py")}
+    assert (modules | subpackages) - named == set()
