@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node N tests/layout_batch.py SPEC.json   (or python, for N=1)
 
 A launch of the test suite's parity matrix spends most of its time starting up: importing torch,
-DTensor and Hydra costs ~6 s of CPU per rank, so 4 ranks on 2 cores wait ~12 s before the first
-step of a 10-step run that trains in ~8 s (measured). A batch pays that once for several layouts.
+DTensor and Hydra costs ~6 s of CPU per rank (README.md, Tests), so 4 ranks on 2 cores wait longer
+for the first step of a 10-step run than the run then trains. A batch pays that once for several layouts.
 
 SPEC.json is a list of {"run_dir": PATH, "overrides": [...]}. Each layout gets a process group of its
 own, under a store prefix of its own (the previous group's keys are never read: pytorch#135712),

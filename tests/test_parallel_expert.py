@@ -109,8 +109,8 @@ def test_capacity_drops_the_same_copies_in_every_layout(parity):
     """A capacity holds per forward on one rank (its micro batch's tokens): ep2 x dp2, with the
     micro batches of one process, drops the same copies in the first step and computes the same
     loss and gradient. Later steps are not compared: a drop is a threshold on routing weights, and
-    the layouts' float32 round-off (1e-7) flips copies that sit at it (measured: step 2 already
-    differs by one copy's gradient), as in any framework with a capacity factor (docs/moe.md)."""
+    the layouts' float32 round-off (1e-7) flips copies that sit at it (from step 2 on, one copy's
+    gradient may differ), as in any framework with a capacity factor (docs/moe.md)."""
     capacity = [*MOE, "model.moe.capacity_factor=1.0"]
     single = parity.run("moe-capacity-single", 1, capacity)
     ep = parity.run("moe-capacity-ep2-dp2", 2, [*capacity, "parallel.ep=2", "parallel.zero_stage=3"])
