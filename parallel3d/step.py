@@ -131,8 +131,8 @@ def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor,
     loss_sum = torch.zeros((), device=s.device)
     for loss in losses:
         loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
-    # The optimizer's list is the model's trainable parameters, without walking the module tree
-    # every step (a walk costs more than the rest of the step's host work on a small model).
+    # The optimizer's list is the model's trainable parameters: reading it spares walking the
+    # module tree every step.
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
     settle_gradients(params)
     if s.tied is not None:

@@ -145,6 +145,7 @@ def test_configuration_md_lists_every_recipe():
     assert set(configuration_table_cells("recipe")) == {y.stem for y in (ROOT / "recipes").glob("*.yaml")}
 
 
+PATH = r"\b((?:parallel3d|tools|tests|conf|recipes|docs)/[\w./-]*\w)(?![<{\w*])"
 IN_THE_WHEEL = {"parallel3d/conf", "parallel3d/recipes"}  # conf/ and recipes/ as pyproject.toml maps them
 
 
@@ -154,7 +155,7 @@ def test_every_path_the_docs_name_exists():
     missing = set()
     for page in [README, ROOT / "BENCHMARKS.md", *DOCS.glob("*.md")]:
         # a path that goes on with a placeholder or a glob (tests/test_<module>.py) is a pattern
-        for path in re.findall(r"\b((?:parallel3d|tools|tests|conf|recipes|docs)/[\w./-]*\w)(?![<{\w*])", page.read_text()):
+        for path in re.findall(PATH, page.read_text()):
             if not (ROOT / path).exists() and path not in IN_THE_WHEEL:
                 missing.add(f"{page.name}: {path}")
     assert not missing
