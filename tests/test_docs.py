@@ -116,6 +116,21 @@ def test_troubleshooting_table_quotes_what_validation_prints(key, monkeypatch):
     assert message and re.match(troubleshooting_rows()[key], message), message
 
 
+def test_troubleshooting_headings_quote_what_validation_prints(tmp_path):
+    """The config errors troubleshooting.md has a section for, each from a bad config that needs
+    a folder or file: an empty folder to resume from, a token file without its metadata."""
+    (tmp_path / "corpus.bin").write_bytes(b"")
+    cases = {"checkpoint.resume": [f"checkpoint.resume={tmp_path}"],
+             "data.path": ["data=tokens", f"data.path={tmp_path / 'corpus.bin'}"]}
+    text = (DOCS / "troubleshooting.md").read_text()
+    headings = re.findall(r"^### `parallel3d: config error: ([a-z][\w.]*)(=.+)`$", text, flags=re.M)
+    assert sorted(key for key, _ in headings) == sorted(cases)
+    for key, rest in headings:
+        pattern = re.escape(key + rest).replace("…", ".+?")
+        message = first_config_error(cases[key], [1])
+        assert message and re.fullmatch(pattern, message), message
+
+
 def test_readme_manual_links_every_docs_page():
     readme = README.read_text()
     manual = readme[readme.index("## Manual"):]
