@@ -5,8 +5,12 @@ recipes, config options, paths) are compared with the files. No process group, n
 
 from __future__ import annotations
 
+import importlib
 import re
+import runpy
 import shlex
+import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -51,6 +55,41 @@ def test_readme_banner_is_what_a_run_of_the_default_recipe_prints():
     c = OmegaConf.to_object(check(compose([f"run_dir={run_dir}"]), 1))
     line = banner(c, ParallelDims.from_config(c.parallel), resolve_device(c.train.device, "cpu"), 1, run_dir)
     assert shown == line
+
+
+def run_documented_command(command: str, capsys, monkeypatch) -> str:
+    """What ``command`` (``python tools/X.py ...`` or a console script of pyproject.toml) prints,
+    run in this process (its imports are paid already)."""
+    argv = shlex.split(command)
+    if argv[0] == "python":
+        monkeypatch.setattr(sys, "argv", [str(ROOT / argv[1]), *argv[2:]])
+        run = partial(runpy.run_path, str(ROOT / argv[1]), run_name="__main__")
+    else:
+        import tomllib  # Python 3.11+, as tests/test_packaging.py
+
+        scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+        module, function = scripts[argv[0]].split(":")
+        monkeypatch.setattr(sys, "argv", argv)
+        run = getattr(importlib.import_module(module), function)
+    try:
+        code = run()
+    except SystemExit as e:
+        code = e.code
+    assert not isinstance(code, int) or code == 0, command
+    return capsys.readouterr().out
+
+
+# planner.md's examples that take seconds; the 64-GPU searches rank many more layouts and are
+# checked by hand when the planner changes.
+PLANNER_EXAMPLES = ["--world-size 64", "--gpus 8 "]
+
+
+@pytest.mark.parametrize("example", PLANNER_EXAMPLES)
+def test_planner_md_shows_what_the_planner_prints(example, capsys, monkeypatch):
+    blocks = [b for b in fenced_blocks((DOCS / "planner.md").read_text()) if b.startswith("$ ") and example in b]
+    (block,) = blocks
+    command, shown = block.split("\n", 1)
+    assert run_documented_command(command[2:], capsys, monkeypatch) == shown
 
 
 def quoted_config_errors() -> list[tuple[str, list[str], int, str]]:
