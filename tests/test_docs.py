@@ -17,11 +17,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from parallel3d.base import resolve_device
+from parallel3d.base import RunError, resolve_device
+from parallel3d.checkpoint import META
 from parallel3d.config import compose
+from parallel3d.failures import report_failure
 from parallel3d.launch.run import first_config_error
 from parallel3d.launch.slurm import script_for
 from parallel3d.mesh import ParallelDims
+from parallel3d.resume import check_not_past_end
 from parallel3d.train import banner
 from parallel3d.validate import check
 
@@ -168,6 +171,23 @@ def test_troubleshooting_headings_quote_what_validation_prints(tmp_path):
         pattern = re.escape(key + rest).replace("…", ".+?")
         message = first_config_error(cases[key], [1])
         assert message and re.fullmatch(pattern, message), message
+
+
+def test_troubleshooting_example_failure_is_what_a_run_prints(tmp_path, monkeypatch, capsys):
+    """troubleshooting.md's example of a failure's one line (shown wrapped): a resume past
+    train.steps, reported by failures.report_failure in a run_dir named run."""
+    text = (DOCS / "troubleshooting.md").read_text()
+    example = text[text.index("A run that fails prints one line"):]
+    shown = " ".join(line.strip() for line in re.findall(r"^    (\S.*)$", example[:example.index("\n- ")], flags=re.M))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PARALLEL3D_DEBUG", raising=False)
+    checkpoint = Path("run/checkpoints/step_4")
+    checkpoint.mkdir(parents=True)
+    (checkpoint / META).write_text('{"step": 4, "model_only": false}')
+    with pytest.raises(RunError) as error:
+        check_not_past_end(checkpoint, 3)
+    report_failure(error.value, "run", 0)
+    assert capsys.readouterr().err.strip() == shown
 
 
 def test_readme_manual_links_every_docs_page():
