@@ -2,10 +2,10 @@
 
 For each rank: compose the config and ``validate.check`` it (a ConfigError comes before anything
 is built), start torch's *fake* process group as that rank (collectives return at once, moving
-nothing), build the mesh, model, optimizer and scheduler with ``setup.build_setup`` as training
+nothing), build the mesh, model, optimizer and scheduler with ``step.build_setup`` as training
 does, materializing them inside ``FakeTensorMode`` (tensors with shapes, dtypes and storages but no
 data), create the optimizer's state (as a step after the first finds it), then run one
-``setup.train_step``: forward and backward through the pipeline schedule under pp, clipping,
+``step.train_step``: forward and backward through the pipeline schedule under pp, clipping,
 optimizer and lr steps. Meanwhile a MemTracker follows
 every tensor storage (peak and what it held at the peak) and a dispatch mode records every
 collective with its process group and size.

@@ -102,7 +102,7 @@ def _stage_activations(c, meshes, pp_rank: int, mode: str, dtype: torch.dtype) -
     apply_activation_checkpointing(part, mode, c.model.activation_checkpoint_every)
     part.to_empty(device="cpu")
     part.init_weights(0)
-    # As setup.train_step computes: in every layout FSDP's mixed-precision policy casts the
+    # As step.train_step computes: in every layout FSDP's mixed-precision policy casts the
     # parameters, and the whole model, its residual stream included, computes in ``dtype``.
     part.to(dtype)
     local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
