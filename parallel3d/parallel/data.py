@@ -27,9 +27,9 @@ gathered them again, once per micro batch: 34 gathers per step instead of 1 on t
 for no saving at the peak, which 1F1B-type schedules reach when their first backward starts).
 
 Stage 0 replicates over all data-parallel ranks and stage 1 shards over all of them (dp_replicate
-x dp_shard, flattened). Stages 2 and 3 shard over dp_shard and, when dp_replicate > 1, replicate
-the shards across dp_replicate groups (HSDP: HYBRID_SHARD_ZERO2 / HYBRID_SHARD) through FSDP2's 2D
-mesh.
+x dp_shard x cp, flattened: ``Meshes.dp_cp``; cp ranks hold the same parameters). Stages 2 and 3
+shard over dp_shard x cp and, when dp_replicate > 1, replicate the shards across dp_replicate
+groups (HSDP: HYBRID_SHARD_ZERO2 / HYBRID_SHARD) through FSDP2's 2D mesh.
 
 Precision, one policy for every layout: float32 master weights and optimizer state; in forward
 and backward the whole model computes in ``train.param_dtype`` (FSDP's MixedPrecisionPolicy casts
