@@ -1,0 +1,111 @@
+"""Data integrity: a content-keyed cache, checksummed cache files, bad records named in any file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from data_files import documents, write_jsonl
+
+from parallel3d.data import TokenFile, load_tokenizer
+from parallel3d.data import integrity
+from parallel3d.data import sources as src
+from parallel3d.data.shards import prepare_shards
+
+
+def _read(path) -> list[str]:
+    return [t for shard in src.resolve(str(path)) for t in src.documents(shard, "text")]
+
+
+def test_same_size_edit_with_the_mtime_kept_is_tokenized_again(tmp_path):
+    data, cache, tok = tmp_path / "web.jsonl", tmp_path / "cache", load_tokenizer("byte")
+    write_jsonl(data, ["alpha document", "beta document"])
+    (shard,) = src.resolve(str(data))
+    (before,) = prepare_shards([shard], tok, "text", 0.0, cache)
+    stat = data.stat()
+    # What `cp -p`, `rsync -t` or `tar x` leave: other bytes, the same size and modification time.
+    data.write_bytes(data.read_bytes().replace(b"alpha", b"gamma"))
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert data.stat().st_size == stat.st_size and data.stat().st_mtime_ns == stat.st_mtime_ns
+    (after,) = prepare_shards([shard], tok, "text", 0.0, cache)
+    assert after.train != before.train
+    assert tok.decode(TokenFile(after.train).tokens.tolist()).startswith("gamma document")
+
+
+def test_an_unchanged_file_is_hashed_once(tmp_path, monkeypatch):
+    data, memo = write_jsonl(tmp_path / "a.jsonl", documents("a", 20)), tmp_path / "digests"
+    first = integrity.remembered_digest(data, memo)
+    assert first == integrity.file_digest(data)
+    monkeypatch.setattr(integrity, "file_digest", lambda path: pytest.fail(f"{path} hashed again"))
+    assert integrity.remembered_digest(data, memo) == first
+    copy = tmp_path / "b.jsonl"
+    shutil.copy2(data, copy)  # same bytes, size and mtime; another inode and ctime: hashed, not trusted
+    monkeypatch.setattr(integrity, "file_digest", lambda path: "computed")
+    assert integrity.remembered_digest(copy, memo) == "computed"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "manifest"])
+def test_a_corrupt_cache_file_is_rebuilt_with_a_line_naming_it(tmp_path, capsys, damage):
+    data, cache, tok = tmp_path / "web.jsonl", tmp_path / "cache", load_tokenizer("byte")
+    write_jsonl(data, documents("web", 30))
+    (shard,) = src.resolve(str(data))
+    (files,) = prepare_shards([shard], tok, "text", 0.1, cache)
+    good = files.train.read_bytes()
+    if damage == "flip":  # same size: only the checksum sees it
+        files.train.write_bytes(good[:100] + bytes([good[100] ^ 0x40]) + good[101:])
+    elif damage == "truncate":
+        files.train.write_bytes(good[:-10])
+    else:
+        files.train.with_suffix(".json").write_text("{")
+    assert integrity.token_file_problem(files.train) is not None
+    capsys.readouterr()
+    (again,) = prepare_shards([shard], tok, "text", 0.1, cache)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"rebuilding cached tokens {files.train}:" in lines[0], lines
+    assert again.train == files.train and again.train.read_bytes() == good
+    assert integrity.token_file_problem(again.train) is None
+    assert json.loads(again.train.with_suffix(".json").read_text())["sha256"] == integrity.file_digest(again.train)
+
+
+def test_a_bad_record_deep_in_a_large_jsonl_file_names_its_line(tmp_path):
+    lines = [json.dumps({"text": f"document {i} " + "x" * 800, "id": i}) for i in range(4000)]
+    for bad, problem in (('{"text": "cut short', "not valid JSON"), (json.dumps({"text": 5}), "holds int"),
+                         ("[1, 2]", "not an object")):
+        path = tmp_path / "big.jsonl"
+        path.write_text("\n".join([*lines[:2900], bad, *lines[2901:]]) + "\n")
+        assert path.stat().st_size > 2_000_000  # past pyarrow's read blocks: its row numbers restart
+        with pytest.raises(src.DataError) as e:
+            _read(path)
+        message = str(e.value)
+        assert "\n" not in message and f"{path} line 2901:" in message and problem in message, message
+    # Fields other than the text are not parsed: their types may change from record to record.
+    mixed = [json.dumps({"text": f"t{i}", "meta": i if i % 2 else str(i)}) for i in range(3000)]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(mixed) + "\n")
+    assert len(_read(tmp_path / "mixed.jsonl")) == 3000
+
+
+def test_a_json_array_source_gets_one_line_errors(tmp_path):
+    path = tmp_path / "dump.json"
+    path.write_text('[\n {"text": "a"},\n {"text": "b",}\n]\n')
+    with pytest.raises(src.DataError) as e:
+        _read(path)
+    message = str(e.value)
+    assert "\n" not in message and f"{path} line 3 column" in message and "not valid JSON" in message, message
+    for record, problem in (("7", "not an object"), ('{"title": "x"}', "without the 'text' field"),
+                            ('{"text": ["x"]}', "holds list")):
+        path.write_text(f'[{{"text": "a"}}, {record}]')
+        with pytest.raises(src.DataError) as e:
+            _read(path)
+        message = str(e.value)
+        assert "\n" not in message and f"{path} array index 1:" in message and problem in message, message
+    path.write_text('{"text": "one object, not an array"}\n')
+    assert _read(path) == ["one object, not an array"]  # read as JSON lines
+
+
+def test_an_empty_token_file_opens(tmp_path):
+    from parallel3d.data import write_token_file
+
+    out = write_token_file([], load_tokenizer("byte"), tmp_path / "empty.bin")
+    assert len(TokenFile(out)) == 0
