@@ -28,7 +28,7 @@ from parallel3d.base import ConfigError, resolve_device, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
-from parallel3d.data.checks import check_corpus
+from parallel3d.data.checks import check_corpus, check_heldout
 from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.distributed import init_distributed
 from parallel3d.evaluate import Evaluator
@@ -85,6 +85,8 @@ def train(cfg: DictConfig) -> Path:
     corpus, sampler = build_train_data(c.data, c.eval, setup.spec, c.train.seed, data_offset, workers)
     check_corpus(corpus, c.train.seq_len, c.data)
     held_out = open_eval_corpus(c.data, c.eval, workers)
+    if held_out is not None:
+        check_heldout(held_out, seq_len=c.train.seq_len, global_batch_size=c.train.global_batch_size, eval_cfg=c.eval)
     evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None

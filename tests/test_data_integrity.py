@@ -109,3 +109,27 @@ def test_an_empty_token_file_opens(tmp_path):
 
     out = write_token_file([], load_tokenizer("byte"), tmp_path / "empty.bin")
     assert len(TokenFile(out)) == 0
+
+
+def test_eval_fraction_on_a_corpus_too_small_to_hold_out_a_batch_is_one_config_line(tmp_path):
+    from conftest import launch
+
+    from parallel3d.config import compose
+    from parallel3d.data import open_eval_corpus
+    from parallel3d.data.checks import check_heldout
+    from parallel3d.validate import ConfigError
+
+    web = write_jsonl(tmp_path / "web.jsonl", documents("web", 40))
+    overrides = [f"data.sources=[{web}]", f"data.cache_dir={tmp_path / 'cache'}", "eval.fraction=0.01"]
+    cfg = compose(overrides)
+    held_out = open_eval_corpus(cfg.data, cfg.eval)  # empty held-out files open (no mmap of an empty file)
+    with pytest.raises(ConfigError) as e:
+        check_heldout(held_out, seq_len=32, global_batch_size=4, eval_cfg=cfg.eval)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("eval.fraction=0.01: it held out 0 documents"), message
+    # The README's "Bring your data" command on such a corpus: one line, exit 2, before any step.
+    run = launch(tmp_path / "run", [*overrides, "train.steps=2", "optim.warmup_steps=1", "train.seq_len=32",
+                                         "train.global_batch_size=4"])
+    assert run.returncode == 2 and not run.metrics, run.stderr[-2000:]
+    assert "parallel3d: config error: eval.fraction=0.01: it held out 0 documents" in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
