@@ -42,7 +42,7 @@ from parallel3d.resume import (check_hf_weights, check_not_past_end, check_token
                                report_changes)
 from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
                                shared_run_dir, unwritable_run_dir)
-from parallel3d.signals import StopSignals, Stopped
+from parallel3d.signals import Interrupted, StopSignals, Stopped, interruptible
 from parallel3d.step import Setup, build_setup, train_step
 from parallel3d.strictconfig import RecipeError
 from parallel3d.validate import check
@@ -82,9 +82,10 @@ def train(cfg: DictConfig) -> Path:
         return run_dir
     # Ranks split the tokenization of data.sources (or rank 0 builds the default corpus), then wait.
     workers = Workers(rank(), world_size, dist.barrier if dist.is_initialized() else None)
-    corpus, sampler = build_train_data(c.data, c.eval, setup.spec, c.train.seed, data_offset, workers)
-    check_corpus(corpus, c.train.seq_len, c.data)
-    held_out = open_eval_corpus(c.data, c.eval, workers)
+    with interruptible("preparing the data"):
+        corpus, sampler = build_train_data(c.data, c.eval, setup.spec, c.train.seed, data_offset, workers)
+        check_corpus(corpus, c.train.seq_len, c.data)
+        held_out = open_eval_corpus(c.data, c.eval, workers)
     if held_out is not None:
         check_heldout(held_out, seq_len=c.train.seq_len, global_batch_size=c.train.global_batch_size, eval_cfg=c.eval)
     evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps)
@@ -301,7 +302,7 @@ def run_job(cfg: DictConfig) -> None:
         else:  # torchrun kills the other ranks when one exits: let rank 0 say why first
             time.sleep(2)
         sys.exit(2 if isinstance(e, ConfigError) else 3)
-    except Stopped as e:
+    except (Stopped, Interrupted) as e:
         if rank() == 0:
             print(f"parallel3d: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REQUEUE)

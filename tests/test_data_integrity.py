@@ -133,3 +133,33 @@ def test_eval_fraction_on_a_corpus_too_small_to_hold_out_a_batch_is_one_config_l
     assert run.returncode == 2 and not run.metrics, run.stderr[-2000:]
     assert "parallel3d: config error: eval.fraction=0.01: it held out 0 documents" in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
+
+
+def test_sigterm_while_tokenizing_is_one_line_and_leaves_no_lock(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import env
+
+    for i in range(6):  # long enough to be stopped while a shard is being written
+        write_jsonl(tmp_path / "src" / f"part-{i}.jsonl", documents(f"p{i}", 8000, i))
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "parallel3d.train", f"run_dir={run_dir}",
+                             f"data.sources=[{tmp_path / 'src'}]", f"data.cache_dir={cache}"],
+                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1200):  # a shard being written: a temporary file in the cache
+            if list(cache.glob(".*.tmp")) or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err[-2000:]
+    (line,) = [x for x in err.splitlines() if x.strip()]
+    assert line.startswith("parallel3d: stopped by SIGTERM while preparing the data, before the first step"), line
+    assert not (run_dir / ".lock").exists() and not list(cache.glob(".*.tmp"))

@@ -34,16 +34,21 @@ def write_token_file(documents: Iterable[str], tokenizer, output: str | Path, pr
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     bos = [] if getattr(tokenizer, "bos_id", None) is None else [tokenizer.bos_id]
     count, digest = 0, hashlib.new(DIGEST)
-    with open(tmp, "wb") as f:
-        for batch in _batches(documents, batch_docs):
-            encoded = tokenizer.encode_batch(batch) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, batch)
-            ids = np.fromiter((i for doc in encoded for i in (*bos, *doc, tokenizer.eos_id)), dtype=dtype)
-            chunk = ids.tobytes()
-            f.write(chunk)
-            digest.update(chunk)
-            count += len(ids)
-            if progress is not None:
-                progress(count)
+    try:
+        with open(tmp, "wb") as f:
+            for batch in _batches(documents, batch_docs):
+                encoded = (tokenizer.encode_batch(batch) if hasattr(tokenizer, "encode_batch")
+                           else map(tokenizer.encode, batch))
+                ids = np.fromiter((i for doc in encoded for i in (*bos, *doc, tokenizer.eos_id)), dtype=dtype)
+                chunk = ids.tobytes()
+                f.write(chunk)
+                digest.update(chunk)
+                count += len(ids)
+                if progress is not None:
+                    progress(count)
+    except BaseException:  # bad input, a stop signal: leave no half-written file behind
+        tmp.unlink(missing_ok=True)
+        raise
     meta = {"dtype": np.dtype(dtype).name, "num_tokens": count, "tokenizer": tokenizer.name,
             "vocab_size": tokenizer.vocab_size, "bytes": count * np.dtype(dtype).itemsize,
             DIGEST: digest.hexdigest(), **(extra_meta or {})}
