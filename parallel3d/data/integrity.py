@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from pathlib import Path
 
 DIGEST = "sha256"  # hashlib's; SHA-NI makes it as fast as crc32 on current CPUs (docs/data.md)
@@ -43,16 +44,22 @@ def remembered_digest(path: Path, memo_dir: Path) -> str:
         pass  # not remembered yet, or unreadable: compute it
     digest = file_digest(path)
     if _stat_key(path) == key:  # not written to while it was read
-        write_atomic(memo, json.dumps({"path": str(path), "stat": key, "digest": digest}))
+        try:
+            write_atomic(memo, json.dumps({"path": str(path), "stat": key, "digest": digest}))
+        except OSError:
+            pass  # a read-only cache, a race with another node: only the next start hashes again
     return digest
 
 
 def write_atomic(path: Path, text: str) -> None:
     """Write under a temporary name, then rename: a reader sees the old file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # unique across nodes sharing the folder
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def token_file_problem(path: Path) -> str | None:
