@@ -163,3 +163,15 @@ def test_sigterm_while_tokenizing_is_one_line_and_leaves_no_lock(tmp_path):
     (line,) = [x for x in err.splitlines() if x.strip()]
     assert line.startswith("parallel3d: stopped by SIGTERM while preparing the data, before the first step"), line
     assert not (run_dir / ".lock").exists() and not list(cache.glob(".*.tmp"))
+
+
+def test_a_missing_cache_file_beside_its_manifest_is_rebuilt(tmp_path, capsys):
+    data, cache, tok = tmp_path / "web.jsonl", tmp_path / "cache", load_tokenizer("byte")
+    write_jsonl(data, documents("web", 10))
+    (shard,) = src.resolve(str(data))
+    (files,) = prepare_shards([shard], tok, "text", 0.0, cache)
+    good = files.train.read_bytes()
+    files.train.unlink()
+    (again,) = prepare_shards([shard], tok, "text", 0.0, cache)
+    assert f"rebuilding cached tokens {files.train}: it is missing" in capsys.readouterr().err
+    assert again.train.read_bytes() == good

@@ -74,7 +74,9 @@ def token_file_problem(path: Path) -> str | None:
         return f"its manifest {meta_path.name} is unreadable ({type(e).__name__})"
     if DIGEST not in meta:
         return f"its manifest {meta_path.name} has no checksum"
-    size = path.stat().st_size if path.is_file() else None
+    if not path.is_file():
+        return f"it is missing (its manifest {meta_path.name} is there)"
+    size = path.stat().st_size
     if size != expected_size:
         return f"it is {size} bytes, its manifest says {expected_size}"
     if file_digest(path) != meta[DIGEST]:

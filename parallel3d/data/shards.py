@@ -45,12 +45,26 @@ def shard_files(shard: Shard, tokenizer, text_field: str, heldout_fraction: floa
     return ShardFiles(root / f"{stem}.bin", root / f"{stem}-heldout.bin" if heldout_fraction > 0 else None)
 
 
+_verified: set[tuple] = set()  # (file, inode, size, mtime, ctime of it and its manifest) checked here
+
+
 def cache_problem(files: ShardFiles) -> str | None:
-    """A done shard's file that no longer matches its manifest: ``FILE: what is wrong``, or None."""
+    """A done shard's file that no longer matches its manifest: ``FILE: what is wrong``, or None.
+    A file is read once per process (the held-out corpus opens the same shards again)."""
     for path in (files.train, files.heldout):
-        problem = None if path is None else token_file_problem(path)
+        if path is None:
+            continue
+        try:
+            seen = (str(path), *[(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                                 for st in (path.stat(), path.with_suffix(".json").stat())])
+        except OSError:
+            seen = None  # a file missing: token_file_problem says so
+        if seen in _verified:
+            continue
+        problem = token_file_problem(path)
         if problem:
             return f"{path}: {problem}"
+        _verified.add(seen)
     return None
 
 
