@@ -175,3 +175,23 @@ def test_a_missing_cache_file_beside_its_manifest_is_rebuilt(tmp_path, capsys):
     (again,) = prepare_shards([shard], tok, "text", 0.0, cache)
     assert f"rebuilding cached tokens {files.train}: it is missing" in capsys.readouterr().err
     assert again.train.read_bytes() == good
+
+
+def test_a_tampered_prepared_token_file_is_named(tmp_path):
+    from types import SimpleNamespace
+
+    from parallel3d.base import RunError
+    from parallel3d.data import open_sources, write_token_file
+    from parallel3d.data.corpus import open_single
+
+    out = write_token_file(documents("doc", 20), load_tokenizer("byte"), tmp_path / "corpus.bin")
+    cfg = SimpleNamespace(tokenizer="byte", text_field="text", cache_dir=str(tmp_path / "cache"), source="file",
+                          path=str(out))
+    assert len(open_sources([str(out)], cfg, 0.0).tokens) == len(TokenFile(out))
+    good = out.read_bytes()
+    out.write_bytes(good[:50] + bytes([good[50] ^ 0x01]) + good[51:])  # a token id changed, same size
+    for opening in (lambda: open_sources([str(out)], cfg, 0.0), lambda: open_single(cfg)):
+        with pytest.raises(RunError) as e:
+            opening()
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(f"{out}: its sha256 differs") and "Fix:" in message

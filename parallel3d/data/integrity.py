@@ -88,3 +88,17 @@ def _itemsize(dtype: str) -> int:
     import numpy as np
 
     return np.dtype(dtype).itemsize
+
+
+def prepared_file_problem(path: Path, memo_dir: Path) -> str | None:
+    """``token_file_problem`` for a token file given as it is (not rebuildable from a source), with
+    its digest remembered like a source's: read once, and again only after it changed."""
+    try:
+        meta = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return token_file_problem(path)
+    if DIGEST not in meta or not path.is_file():  # written before checksums were kept: size only
+        return None if DIGEST not in meta else token_file_problem(path)
+    if remembered_digest(path, memo_dir) != meta[DIGEST]:
+        return f"its {DIGEST} differs from its manifest's (the bytes changed after it was written)"
+    return None
