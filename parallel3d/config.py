@@ -161,6 +161,8 @@ class DataConfig:
     text_field: str = "text"
     document_masking: bool = False  # attention stays inside each document (block-causal)
     reset_positions: bool = False  # RoPE positions restart at each document
+    # Resume a checkpoint trained with another tokenizer (its embeddings index other tokens): refused unless set.
+    allow_tokenizer_change: bool = False
 
 
 @dataclass

@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from parallel3d.progress import Progress
 
+INIT_TIMEOUT_S = 60.0  # wandb.init's wait for its server before the run goes on offline
+
 # Dense peak FLOP/s per device by compute dtype (float32 trains on TF32 tensor cores).
 PEAK_FLOPS = {
     "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494.7e12},
@@ -131,14 +133,17 @@ def start_wandb(wandb_cfg, run_dir: Path, config: dict, resumed: bool = False):
 
     Its id is kept in ``run_dir/wandb/run_id``: a run resumed from one of its checkpoints (a
     restart, a requeued Slurm job) continues the same wandb run; a fresh start gets a new one.
-    Offline runs are uploaded later with ``wandb sync run_dir/wandb/offline-run-*``.
+    Online, a server that cannot be reached, or a ``wandb.init`` that fails or does not answer
+    within ``WANDB_INIT_TIMEOUT`` seconds (default INIT_TIMEOUT_S), falls back to offline with one
+    line: wandb never stops a run. Offline runs are uploaded later with
+    ``wandb sync run_dir/wandb/offline-run-*``.
     """
     import wandb  # imported only when enabled: it is slow to import and absent on some machines
 
     mode = wandb_mode(wandb_cfg.mode)
+    sync = f"upload later with `wandb sync {run_dir / 'wandb'}/offline-run-*`"
     if mode == "online" and not server_reachable(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")):
-        print("parallel3d: warning: wandb server unreachable: logging offline (upload later with "
-              f"`wandb sync {run_dir / 'wandb'}/offline-run-*`)", file=sys.stderr, flush=True)
+        print(f"parallel3d: warning: wandb server unreachable: logging offline ({sync})", file=sys.stderr, flush=True)
         mode = "offline"
     if mode == "offline":  # wandb 0.31's error reporting calls its server even offline (measured)
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
@@ -147,9 +152,20 @@ def start_wandb(wandb_cfg, run_dir: Path, config: dict, resumed: bool = False):
     run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
     # Online, "allow" continues the run's history after its last logged step; offline it keeps
     # the id, and `wandb sync --append` adds the new part to the run.
-    run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
-                     group=wandb_cfg.group, tags=list(wandb_cfg.tags), mode=mode, dir=str(run_dir),
-                     config=config, id=run_id, resume="allow" if run_id else None)
+    options = dict(project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name, group=wandb_cfg.group,
+                   tags=list(wandb_cfg.tags), dir=str(run_dir), config=config, id=run_id,
+                   resume="allow" if run_id else None)
+    timeout_s = float(os.environ.get("WANDB_INIT_TIMEOUT", INIT_TIMEOUT_S))
+    try:
+        run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=timeout_s), **options)
+    except Exception as e:  # CommError on a server that accepts but never answers, an auth error, ...
+        if mode != "online":
+            raise
+        reason = " ".join(str(e).split())[:160] or type(e).__name__
+        print(f"parallel3d: warning: wandb.init failed or did not answer within {timeout_s:g} s ({reason}): "
+              f"logging offline ({sync})", file=sys.stderr, flush=True)
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+        run = wandb.init(mode="offline", **options)
     id_file.write_text(run.id + "\n")
     return run
 

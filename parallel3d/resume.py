@@ -16,8 +16,9 @@ from pathlib import Path
 
 import yaml
 
+from parallel3d.base import ConfigError, RunError
 from parallel3d.checkpoint import META, complete_steps, find_checkpoint
-from parallel3d.base import RunError
+from parallel3d.data.tokenizer import tokenizer_hash
 
 # Keys that differ between any two starts and say nothing about training.
 UNCOMPARED = ("run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.create_seed")
@@ -127,6 +128,47 @@ def report_changes(path: Path, current_yaml: str) -> None:
     if changes:
         print(f"parallel3d: resuming {path.name} with a changed config (it applies from the next step): "
               f"{', '.join(changes)}", flush=True)
+
+
+def check_tokenizer(path: Path, data_cfg, announce: bool) -> None:
+    """Refuse to resume checkpoint ``path`` with another tokenizer than it was trained with (its
+    embeddings would index other tokens) unless ``data.allow_tokenizer_change``. The tokenizer is
+    its file's hash, recorded in meta.json; older checkpoints are judged by their config.yaml."""
+    meta = json.loads((path / META).read_text())
+    if meta.get("model_only"):  # a seed checkpoint: initial weights, trained on nothing yet
+        return
+    current = tokenizer_hash(data_cfg.tokenizer)
+    saved = meta.get("tokenizer") or _saved_tokenizer_hash(path, data_cfg.tokenizer, current)
+    if saved is None or saved == current:
+        return
+    what = (f"{path} was trained with tokenizer {_short(saved)}, data.tokenizer={data_cfg.tokenizer} is "
+            f"{_short(current)}")
+    if data_cfg.allow_tokenizer_change:
+        if announce:
+            print(f"parallel3d: warning: {what} (data.allow_tokenizer_change=true)", file=sys.stderr, flush=True)
+        return
+    raise ConfigError("data.tokenizer", data_cfg.tokenizer, f"another tokenizer than the checkpoint's ({what}): "
+                      f"its embeddings index other tokens", "resume with the checkpoint's tokenizer, or set "
+                      "data.allow_tokenizer_change=true if the change is meant (a remapped vocabulary)")
+
+
+def _short(tokenizer: str) -> str:
+    return f"sha256 {tokenizer[:12]}" if len(tokenizer) == 64 else tokenizer
+
+
+def _saved_tokenizer_hash(path: Path, spec: str, current: str) -> str | None:
+    """The hash of the tokenizer a checkpoint without one in meta.json names in its config.yaml:
+    its file's, if still there; None when nothing can be told."""
+    try:
+        saved_spec = (yaml.safe_load((path / "config.yaml").read_text()) or {})["data"]["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if saved_spec == spec:
+        return current
+    try:
+        return tokenizer_hash(saved_spec)
+    except OSError:  # moved or gone: another path may hold the same file; nothing to compare with
+        return f"{saved_spec} (file not found)"
 
 
 def check_hf_weights(path: Path) -> None:

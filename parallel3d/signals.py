@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -90,3 +91,33 @@ class StopSignals:
         flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
+
+
+class Interrupted(Exception):
+    """A stop signal before the first step (while the data is prepared): nothing to checkpoint."""
+
+    def __init__(self, signum: int, what: str):
+        super().__init__(f"stopped by {signal.Signals(signum).name} while {what}, before the first step; exit "
+                         f"{EXIT_REQUEUE}: start the same command again (finished shards are kept)")
+        self.signum = signum
+
+
+@contextmanager
+def interruptible(what: str):
+    """Inside the block SIGTERM and SIGUSR1 raise ``Interrupted``: long work before the training
+    loop (tokenizing data.sources) stops at once, with one line, and the run's lock released."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise Interrupted(signum, what)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

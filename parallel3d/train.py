@@ -28,7 +28,8 @@ from parallel3d.base import ConfigError, resolve_device, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
-from parallel3d.data.checks import check_corpus
+from parallel3d.data.checks import check_corpus, check_heldout
+from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.distributed import init_distributed
 from parallel3d.evaluate import Evaluator
 from parallel3d.failures import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, log_path, report_failure, warnings_to_log
@@ -38,10 +39,11 @@ from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_byte
 from parallel3d.models import Transformer, flops_per_token, num_params
 from parallel3d.parallel.expert import moe_statistics
 from parallel3d.progress import Progress
-from parallel3d.resume import check_hf_weights, check_not_past_end, pick_checkpoint, report_changes
+from parallel3d.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
+                               report_changes)
 from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
                                shared_run_dir, unwritable_run_dir)
-from parallel3d.signals import StopSignals, Stopped
+from parallel3d.signals import Interrupted, StopSignals, Stopped, interruptible
 from parallel3d.step import Setup, build_setup, train_step
 from parallel3d.strictconfig import RecipeError
 from parallel3d.validate import check
@@ -81,9 +83,12 @@ def train(cfg: DictConfig) -> Path:
         return run_dir
     # Ranks split the tokenization of data.sources (or rank 0 builds the default corpus), then wait.
     workers = Workers(rank(), world_size, dist.barrier if dist.is_initialized() else None)
-    corpus, sampler = build_train_data(c.data, c.eval, setup.spec, c.train.seed, data_offset, workers)
-    check_corpus(corpus, c.train.seq_len, c.data)
-    held_out = open_eval_corpus(c.data, c.eval, workers)
+    with interruptible("preparing the data"):
+        corpus, sampler = build_train_data(c.data, c.eval, setup.spec, c.train.seed, data_offset, workers)
+        check_corpus(corpus, c.train.seq_len, c.data)
+        held_out = open_eval_corpus(c.data, c.eval, workers)
+    if held_out is not None:
+        check_heldout(held_out, seq_len=c.train.seq_len, global_batch_size=c.train.global_batch_size, eval_cfg=c.eval)
     evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
@@ -128,6 +133,7 @@ class TrainLoop:
         self.setup, self.sampler, self.checkpointer, self.state = setup, sampler, checkpointer, state
         self.logger, self.progress, self.config_yaml = logger, progress, config_yaml
         self.meter = StepMeter(setup)
+        self.tokenizer = tokenizer_hash(setup.config.data.tokenizer)  # in each checkpoint: a resume must match it
         self.evaluator, self.evaluation = evaluator, {}
         self.after_step: list[Callable[[int, torch.Tensor, torch.Tensor, float], None]] = [
             self.evaluate, self.log_metrics, self.save_checkpoint]
@@ -194,7 +200,8 @@ class TrainLoop:
             layout = {**self.setup.dims.sizes(), "zero_stage": c.parallel.zero_stage,
                       "pp_schedule": c.parallel.pp_schedule}
             self.checkpointer.save(step, self.state, {"samples_seen": self.sampler.samples_seen(step), "layout": layout,
-                                                      "global_batch_size": c.train.global_batch_size}, self.config_yaml)
+                                                      "global_batch_size": c.train.global_batch_size,
+                                                      "tokenizer": self.tokenizer}, self.config_yaml)
 
 
 def global_loss(meshes, loss_sum: torch.Tensor) -> float:
@@ -251,6 +258,7 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
     path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=is_rank0)
     if path is not None:
         step = check_not_past_end(path, c.train.steps)
+        check_tokenizer(path, c.data, announce=is_rank0)
         if is_rank0:
             report_changes(path, config_yaml)
         meta = checkpointer.load(path, state)
@@ -300,7 +308,7 @@ def run_job(cfg: DictConfig) -> None:
         else:  # torchrun kills the other ranks when one exits: let rank 0 say why first
             time.sleep(2)
         sys.exit(2 if isinstance(e, ConfigError) else 3)
-    except Stopped as e:
+    except (Stopped, Interrupted) as e:
         if rank() == 0:
             print(f"parallel3d: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REQUEUE)

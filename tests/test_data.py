@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -91,7 +92,8 @@ def test_write_token_file_round_trip(tmp_path):
     assert len(tf) == len(expected)
     assert tf.tokens.dtype == np.uint16
     assert tf.tokens.tolist() == expected
-    assert tf.meta == {"dtype": "uint16", "num_tokens": len(expected), "tokenizer": "byte", "vocab_size": 257}
+    assert tf.meta == {"dtype": "uint16", "num_tokens": len(expected), "tokenizer": "byte", "vocab_size": 257,
+                       "bytes": 2 * len(expected), "sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
     assert json.loads(out.with_suffix(".json").read_text()) == tf.meta
     assert out.stat().st_size == 2 * len(expected)
     assert seen[-1] == len(expected) and seen == sorted(seen)  # progress counts tokens so far

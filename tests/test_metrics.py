@@ -7,6 +7,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -168,7 +169,6 @@ def test_an_explicit_offline_wandb_mode_always_wins(monkeypatch, environ, config
 
 def test_wandb_online_without_a_server_continues_offline_within_seconds(tmp_path, monkeypatch, capsys):
     """An API key and no reachable server (a closed port on loopback): offline, with a warning."""
-    import time
 
     from parallel3d.config import WandbConfig
     from parallel3d.metrics import start_wandb
@@ -189,3 +189,50 @@ def test_wandb_online_without_a_server_continues_offline_within_seconds(tmp_path
     finally:
         run.finish()
     assert "x" * 40 not in "".join(p.read_text(errors="ignore") for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_wandb_online_with_a_silent_server_continues_offline(tmp_path, monkeypatch, capsys):
+    """A server on loopback that accepts connections and never answers (server_reachable passes):
+    wandb.init times out and the run goes on offline, with one line."""
+    from parallel3d.config import WandbConfig
+    from parallel3d.metrics import start_wandb
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(1.0)
+    stop, accepted = threading.Event(), []
+
+    def accept_and_say_nothing():
+        deadline = time.monotonic() + 120  # bounded: it stops by itself
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept_and_say_nothing, daemon=True)
+    thread.start()
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    try:
+        started = time.monotonic()
+        run = start_wandb(WandbConfig(enabled=True, mode="online"), tmp_path, {"a": 1})
+        try:
+            assert time.monotonic() - started < 60
+            assert run.settings.mode == "offline" and accepted  # it did connect, and heard nothing
+            (line,) = [x for x in capsys.readouterr().err.splitlines() if "parallel3d" in x]
+            assert "did not answer within 3 s" in line and "logging offline" in line, line
+            run.log({"loss": 1.0}, step=1)
+        finally:
+            run.finish()
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for conn in accepted:
+            conn.close()
+        server.close()
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))

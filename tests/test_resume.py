@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from parallel3d.config import OptimConfig
-from parallel3d.base import RunError
+from parallel3d.base import ConfigError, RunError
 from parallel3d.optim import build_lr_scheduler, lr_factor, set_schedule_step
 from parallel3d.resume import (check_hf_weights, check_not_past_end, checkpoint_problem, config_changes,
                                pick_checkpoint)
@@ -78,3 +78,48 @@ def test_a_missing_hugging_face_shard_is_named(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(RunError, match="model-00002-of-00002.safetensors is missing. Fix: download"):
         check_hf_weights(tmp_path)
+
+
+def _bpe_tokenizer(path, text: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text] * 10, trainer)
+    tok.save(str(path))
+    return path
+
+
+def test_a_resume_with_another_tokenizer_is_refused_unless_allowed(tmp_path):
+    from conftest import launch
+
+    from parallel3d.config import DataConfig
+    from parallel3d.data.tokenizer import tokenizer_hash
+    from parallel3d.resume import check_tokenizer
+
+    common = ["train.seq_len=32", "train.global_batch_size=4", "optim.warmup_steps=1", "data.max_bytes=100000",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    run = launch(tmp_path / "run", [*common, "train.steps=2", "checkpoint.every=2"])
+    run.assert_finished(2)
+    step_2 = tmp_path / "run" / "checkpoints" / "step_2"
+    assert json.loads((step_2 / "meta.json").read_text())["tokenizer"] == tokenizer_hash("byte") == "byte"
+    other = str(_bpe_tokenizer(tmp_path / "tokenizer.json", "the quick brown fox jumps over the lazy dog"))
+    refused = launch(tmp_path / "run", [*common, "train.steps=4", f"data.tokenizer={other}"])
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    (line,) = [x for x in refused.stderr.splitlines() if "config error" in x]
+    assert f"data.tokenizer={other}" in line and str(step_2) in line and "allow_tokenizer_change=true" in line, line
+    # The same decision, allowed (a full resume then proceeds as any other).
+    check_tokenizer(step_2, DataConfig(tokenizer=other, allow_tokenizer_change=True), announce=False)
+    check_tokenizer(step_2, DataConfig(tokenizer="byte"), announce=False)
+    # A checkpoint without the hash (an older version) is judged by the tokenizer file its config names.
+    meta = json.loads((step_2 / "meta.json").read_text())
+    del meta["tokenizer"]
+    (step_2 / "meta.json").write_text(json.dumps(meta))
+    edited = _bpe_tokenizer(tmp_path / "edited.json", "lorem ipsum dolor sit amet")
+    config = (step_2 / "config.yaml").read_text().replace("tokenizer: byte", f"tokenizer: {other}")
+    (step_2 / "config.yaml").write_text(config)
+    check_tokenizer(step_2, DataConfig(tokenizer=other), announce=False)
+    with pytest.raises(ConfigError, match="another tokenizer than the checkpoint's"):
+        check_tokenizer(step_2, DataConfig(tokenizer=str(edited)), announce=False)

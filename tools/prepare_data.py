@@ -13,7 +13,9 @@ tokenizer, text field and eval.fraction finds them done:
     python -m parallel3d.train data.sources=[DATA,MORE] data.cache_dir=DIR [eval.fraction=F]
 
 Killed, it resumes: finished shards are kept, unfinished ones (never visible as finished) are
-redone. The one-file form of earlier versions still works:
+redone, and finished ones that no longer match their checksum are rebuilt. Its workers end with
+it (even on kill -9); SIGTERM or Ctrl-C stops them with one line. The one-file form of earlier
+versions still works:
 
     python tools/prepare_data.py --input DIR --output corpus.bin [--pattern "**/*.txt"]
 """
@@ -21,15 +23,18 @@ redone. The one-file form of earlier versions still works:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 from parallel3d.data import TokenFile, load_tokenizer, text_files, write_token_file
-from parallel3d.data.shards import shard_files, tokenize_shard
+from parallel3d.data.shards import cache_problem, shard_files, tokenize_shard
 from parallel3d.data.sources import resolve
 from parallel3d.progress import Progress
 from parallel3d.base import ConfigError
@@ -38,10 +43,51 @@ TMP_FILE = re.compile(r"^\..+\.(\d+)(\.json)?\.tmp$")  # write_token_file's temp
 
 
 def _tokenize(task):
+    """In a worker: check a done shard against its manifest (rebuilt if it no longer matches) or
+    tokenize a missing one. Returns the shard, its files, its training and held-out token counts,
+    the seconds it took and whether it was tokenized now."""
     shard, files, tokenizer_spec, text_field, fraction = task
     start = time.perf_counter()
-    tokenize_shard(shard, files, load_tokenizer(tokenizer_spec), text_field, fraction, f"worker {os.getpid()}")
-    return shard, files, len(TokenFile(files.train)), time.perf_counter() - start
+    problem = cache_problem(files) if files.done() else None
+    if problem:
+        print(f"prepare_data: rebuilding cached tokens {problem}", file=sys.stderr, flush=True)
+    tokenized = problem is not None or not files.done()
+    if tokenized:
+        tokenize_shard(shard, files, load_tokenizer(tokenizer_spec), text_field, fraction, f"worker {os.getpid()}")
+    heldout = 0 if files.heldout is None else len(TokenFile(files.heldout))
+    return shard, files, len(TokenFile(files.train)), heldout, time.perf_counter() - start, tokenized
+
+
+def _worker_start(parent: int) -> None:
+    """Pool initializer: a worker ends with its parent (a kill -9 of prepare_data, a lost session)
+    instead of tokenizing on as an orphan; signals are the parent's to handle."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Pool.terminate() ends workers with SIGTERM
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops them
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    else:  # no parent-death signal: watch for the re-parenting instead
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+class Terminated(BaseException):
+    """SIGTERM (or Ctrl-C) while tokenizing: stop the workers and say what is kept."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
 
 
 def _remove_abandoned(cache_dir: Path) -> None:
@@ -75,22 +121,41 @@ def prepare(sources: list[str], cache_dir: Path, workers: int, tokenizer_spec: s
     files = [shard_files(s, tokenizer, text_field, fraction, cache_dir) for s in shards]
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(cache_dir)
-    todo = [(s, f, tokenizer_spec, text_field, fraction) for s, f in zip(shards, files) if not f.done()]
-    print(f"{len(shards) - len(todo)} of {len(shards)} shards already done; tokenizing {len(todo)} "
+    tasks = [(s, f, tokenizer_spec, text_field, fraction) for s, f in zip(shards, files)]
+    done = sum(f.done() for f in files)
+    print(f"{done} of {len(shards)} shards already done; tokenizing {len(shards) - done} "
           f"with {workers} worker{'s' * (workers > 1)} into {cache_dir}", flush=True)
-    start, total = time.perf_counter(), 0
-    with Progress(enabled=True).counter("tokenizing", "shard") as update:
-        # fork: the workers inherit the imports; each encodes on one core (no tokenizer threads).
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            for done, (shard, shard_out, tokens, seconds) in enumerate(pool.imap_unordered(_tokenize, todo), 1):
-                total += tokens
-                update(done)
-                print(f"tokenized {shard.path} -> {shard_out.train.name}: {tokens:,} tokens in {seconds:.1f}s "
-                      f"[{done}/{len(todo)}]", flush=True)
+    start, total, heldout, finished = time.perf_counter(), 0, 0, 0
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        with Progress(enabled=True).counter("tokenizing", "shard") as update:
+            # fork: the workers inherit the imports; each encodes on one core (no tokenizer threads).
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            with multiprocessing.get_context("fork").Pool(workers, _worker_start, (os.getpid(),)) as pool:
+                for finished, result in enumerate(pool.imap_unordered(_tokenize, tasks), 1):
+                    shard, shard_out, tokens, held, seconds, tokenized = result
+                    update(finished)
+                    heldout += held
+                    if tokenized:
+                        total += tokens
+                        print(f"tokenized {shard.path} -> {shard_out.train.name}: {tokens:,} tokens in "
+                              f"{seconds:.1f}s", flush=True)
+    except (Terminated, KeyboardInterrupt) as e:  # the pool is terminated on leaving its with-block
+        _remove_abandoned(cache_dir)
+        name = signal.Signals(e.signum).name if isinstance(e, Terminated) else "Ctrl-C"
+        print(f"prepare_data: stopped by {name}: {sum(f.done() for f in files)} of {len(shards)} shards are done "
+              f"and kept in {cache_dir}; run the same command again to tokenize the rest", file=sys.stderr,
+              flush=True)
+        return 128 + (e.signum if isinstance(e, Terminated) else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     elapsed = time.perf_counter() - start
     print(f"done: {len(shards)} shards in {cache_dir}; this run tokenized {total:,} tokens in {elapsed:.1f}s "
           f"({total / max(elapsed, 1e-9):,.0f} tokens/s)", flush=True)
+    if fraction > 0 and heldout == 0:
+        print(f"prepare_data: warning: --eval-fraction {fraction} held out no document of these sources (each "
+              f"is held out with that chance): a run with eval.fraction={fraction} stops with a config error. "
+              f"Raise it, or give held-out files in eval.sources", file=sys.stderr, flush=True)
     return 0
 
 

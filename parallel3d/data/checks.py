@@ -113,3 +113,21 @@ def check_corpus(corpus, seq_len: int, data_cfg) -> None:
         raise RunError(f"{where or 'the corpus'} holds {size} tokens, fewer than one sequence of "
                        f"train.seq_len={seq_len} needs ({seq_len + 1}). Fix: prepare more data "
                        f"(tools/prepare_data.py) or lower train.seq_len")
+
+
+def check_heldout(corpus, *, seq_len: int, global_batch_size: int, eval_cfg) -> None:
+    """Refuse held-out data shorter than one evaluation batch, as a config error naming the key:
+    ``eval.fraction`` holds out each document with that chance, so on a small corpus it may hold
+    out none (docs/data.md)."""
+    tokens = sum(len(a) for s in corpus.sources for a in s.arrays)
+    windows = max(tokens - 1, 0) // seq_len
+    if windows >= global_batch_size:
+        return
+    needs = f"one evaluation batch needs {global_batch_size * seq_len + 1} (train.global_batch_size x train.seq_len + 1)"
+    if eval_cfg.sources:
+        raise ConfigError("eval.sources", list(eval_cfg.sources), f"they hold {tokens} tokens; {needs}",
+                          "give more held-out data, or lower train.seq_len")
+    documents = sum(int((a == corpus.eos_id).sum()) for s in corpus.sources for a in s.arrays)
+    raise ConfigError("eval.fraction", eval_cfg.fraction, f"it held out {documents} documents ({tokens} tokens) "
+                      f"of data.sources; {needs}", "raise eval.fraction (each document is held out with that "
+                      "chance), or give held-out files in eval.sources")

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from parallel3d.base import RunError
 from parallel3d.data.dataset import TokenFile, stdlib_token_file
+from parallel3d.data.integrity import prepared_file_problem
 from parallel3d.data.mixture import MixtureSampler, SourceTokens
 from parallel3d.data.sampler import BatchSpec, StepSampler
 from parallel3d.data.shards import prepare_shards
@@ -55,6 +57,15 @@ def _unique_names(paths: list[str]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}{i}" for i, n in enumerate(names)]
 
 
+def _checked_token_file(path: str, cache_dir: str) -> TokenFile:
+    """A prepared token file, refused with one line when it does not match its manifest."""
+    path = Path(path).expanduser()
+    problem = prepared_file_problem(path, Path(cache_dir).expanduser() / "digests")
+    if problem:
+        raise RunError(f"{path}: {problem}. Fix: write it again with tools/prepare_data.py")
+    return TokenFile(path)
+
+
 def open_sources(paths: list[str], data_cfg, heldout_fraction: float, workers: Workers = Workers(),
                  heldout: bool = False) -> Corpus:
     """The sources' token streams, tokenizing what the cache lacks. ``heldout``: the held-out
@@ -67,7 +78,7 @@ def open_sources(paths: list[str], data_cfg, heldout_fraction: float, workers: W
     sources, i = [], 0
     for name, path, group in zip(_unique_names(paths), paths, shards):
         if is_token_file(path):  # prepared ahead (tools/prepare_data.py): all of it is what it was made for
-            arrays = [] if heldout else [TokenFile(path).tokens]
+            arrays = [] if heldout else [_checked_token_file(path, data_cfg.cache_dir).tokens]
         else:
             arrays = [TokenFile(f.heldout if heldout else f.train).tokens for f in files[i : i + len(group)]]
             i += len(group)
@@ -85,7 +96,7 @@ def open_single(data_cfg, workers: Workers = Workers()) -> Corpus:
             workers.barrier()
         tokens, name = stdlib_token_file(tokenizer, data_cfg.cache_dir, data_cfg.max_bytes).tokens, "stdlib"
     else:
-        tokens, name = TokenFile(data_cfg.path).tokens, Path(data_cfg.path).stem
+        tokens, name = _checked_token_file(data_cfg.path, data_cfg.cache_dir).tokens, Path(data_cfg.path).stem
     return Corpus([SourceTokens(name, [tokens])], tokenizer.eos_id, tokenizer.bos_id, tokenizer.vocab_size)
 
 

@@ -8,8 +8,10 @@ half a file even when several ranks prepare the same corpus at once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from parallel3d.base import RunError
+from parallel3d.data.integrity import DIGEST, token_file_problem
 from parallel3d.progress import Progress
 
 
@@ -24,23 +27,31 @@ def write_token_file(documents: Iterable[str], tokenizer, output: str | Path, pr
                      extra_meta: dict | None = None, batch_docs: int = 256) -> Path:
     """Tokenize ``documents`` (in batches, with the tokenizer's batch encoder) into ``output``:
     [BOS] document EOS, for each document. The sidecar .json is written last: its presence
-    means the token file is complete."""
+    means the token file is complete, and it is the file's manifest (size and checksum)."""
     output = Path(output).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     bos = [] if getattr(tokenizer, "bos_id", None) is None else [tokenizer.bos_id]
-    count = 0
-    with open(tmp, "wb") as f:
-        for batch in _batches(documents, batch_docs):
-            encoded = tokenizer.encode_batch(batch) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, batch)
-            ids = np.fromiter((i for doc in encoded for i in (*bos, *doc, tokenizer.eos_id)), dtype=dtype)
-            f.write(ids.tobytes())
-            count += len(ids)
-            if progress is not None:
-                progress(count)
+    count, digest = 0, hashlib.new(DIGEST)
+    try:
+        with open(tmp, "wb") as f:
+            for batch in _batches(documents, batch_docs):
+                encoded = (tokenizer.encode_batch(batch) if hasattr(tokenizer, "encode_batch")
+                           else map(tokenizer.encode, batch))
+                ids = np.fromiter((i for doc in encoded for i in (*bos, *doc, tokenizer.eos_id)), dtype=dtype)
+                chunk = ids.tobytes()
+                f.write(chunk)
+                digest.update(chunk)
+                count += len(ids)
+                if progress is not None:
+                    progress(count)
+    except BaseException:  # bad input, a stop signal: leave no half-written file behind
+        tmp.unlink(missing_ok=True)
+        raise
     meta = {"dtype": np.dtype(dtype).name, "num_tokens": count, "tokenizer": tokenizer.name,
-            "vocab_size": tokenizer.vocab_size, **(extra_meta or {})}
+            "vocab_size": tokenizer.vocab_size, "bytes": count * np.dtype(dtype).itemsize,
+            DIGEST: digest.hexdigest(), **(extra_meta or {})}
     meta_tmp = tmp.with_suffix(".json.tmp")
     meta_tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, output)
@@ -78,7 +89,9 @@ class TokenFile:
             raise RunError(f"{path} is {size} bytes but {meta_path.name} says {expected} (truncated, or written "
                            f"by another run). Fix: write it again with tools/prepare_data.py")
         self.path = path
-        self.tokens = np.memmap(path, dtype=self.meta["dtype"], mode="r", shape=(self.meta["num_tokens"],))
+        # An empty file (a shard whose documents were all held out, or none were) cannot be mapped.
+        self.tokens = (np.memmap(path, dtype=self.meta["dtype"], mode="r", shape=(self.meta["num_tokens"],))
+                       if self.meta["num_tokens"] else np.zeros(0, dtype=self.meta["dtype"]))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -105,7 +118,10 @@ def stdlib_token_file(tokenizer, cache_dir: str | Path, max_bytes: int) -> Token
     root = Path(sysconfig.get_paths()["stdlib"])
     tag = f"stdlib-py{sysconfig.get_python_version()}-{max_bytes}-{_slug(tokenizer.name)}"
     path = Path(cache_dir).expanduser() / f"{tag}.bin"
-    if not path.with_suffix(".json").is_file():  # the first run waits for this: shown on rank 0
+    problem = token_file_problem(path) if path.with_suffix(".json").is_file() else None
+    if problem:
+        print(f"parallel3d: rebuilding {path}: {problem}", file=sys.stderr, flush=True)
+    if problem or not path.with_suffix(".json").is_file():  # the first run waits for this: shown on rank 0
         done = f"tokenized the standard library into {path}"
         with Progress().counter("tokenizing the default corpus", "tok", done=done) as update:
             write_token_file(text_files(root, "*.py", max_bytes), tokenizer, path, progress=update)

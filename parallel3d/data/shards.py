@@ -1,25 +1,30 @@
 """Tokenize source shards into a content-keyed cache, split among ranks or worker processes.
 
 Each shard (see sources.py) becomes ``<cache_dir>/<key>.bin`` (+ ``.json``) and, when documents
-are held out for evaluation, ``<key>-heldout.bin``. The key hashes the shard's file names, sizes
-and modification times, the tokenizer (its file's bytes), the text field and the held-out
+are held out for evaluation, ``<key>-heldout.bin``. The key hashes the SHA-256 of the shard's
+bytes (integrity.py), the tokenizer (its file's bytes), the text field and the held-out
 fraction: change any of them and the shard is tokenized anew. Files are written under a
 temporary name and renamed, the held-out file last; a shard is done when both sidecars exist,
-so a killed writer leaves nothing that a reader would take for finished work.
+so a killed writer leaves nothing that a reader would take for finished work. Each sidecar is
+its file's manifest (size and checksum): a done shard whose file no longer matches is rebuilt,
+with a line naming it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from parallel3d.data.dataset import write_token_file
+from parallel3d.data.integrity import token_file_problem
 from parallel3d.data.sources import Shard, documents
+from parallel3d.data.tokenizer import tokenizer_hash
 
-FORMAT = 1  # bump when the token layout changes (BOS/EOS placement, held-out rule)
+FORMAT = 2  # bump when the token layout changes (BOS/EOS placement, held-out rule)
 
 
 @dataclass(frozen=True)
@@ -31,18 +36,36 @@ class ShardFiles:
         return all(p.with_suffix(".json").is_file() for p in (self.train, self.heldout) if p is not None)
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    if tokenizer.name == "byte":
-        return "byte"
-    return hashlib.sha256(Path(tokenizer.name).expanduser().read_bytes()).hexdigest()[:16]
-
-
 def shard_files(shard: Shard, tokenizer, text_field: str, heldout_fraction: float, cache_dir: str | Path) -> ShardFiles:
-    identity = [FORMAT, shard.fingerprint(), tokenizer_fingerprint(tokenizer), text_field, heldout_fraction]
-    key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
     root = Path(cache_dir).expanduser()
+    identity = [FORMAT, shard.fingerprint(root / "digests"), tokenizer_hash(tokenizer.name), text_field,
+                heldout_fraction]
+    key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
     stem = f"{shard.path.name[:40]}-{key}"
     return ShardFiles(root / f"{stem}.bin", root / f"{stem}-heldout.bin" if heldout_fraction > 0 else None)
+
+
+_verified: set[tuple] = set()  # (file, inode, size, mtime, ctime of it and its manifest) checked here
+
+
+def cache_problem(files: ShardFiles) -> str | None:
+    """A done shard's file that no longer matches its manifest: ``FILE: what is wrong``, or None.
+    A file is read once per process (the held-out corpus opens the same shards again)."""
+    for path in (files.train, files.heldout):
+        if path is None:
+            continue
+        try:
+            seen = (str(path), *[(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                                 for st in (path.stat(), path.with_suffix(".json").stat())])
+        except OSError:
+            seen = None  # a file missing: token_file_problem says so
+        if seen in _verified:
+            continue
+        problem = token_file_problem(path)
+        if problem:
+            return f"{path}: {problem}"
+        _verified.add(seen)
+    return None
 
 
 def is_heldout(text: str, fraction: float) -> bool:
@@ -75,14 +98,20 @@ def tokenize_shard(shard: Shard, files: ShardFiles, tokenizer, text_field: str, 
 def prepare_shards(shards: list[Shard], tokenizer, text_field: str, heldout_fraction: float,
                    cache_dir: str | Path, rank: int = 0, world_size: int = 1,
                    barrier: Callable[[], None] | None = None) -> list[ShardFiles]:
-    """Every shard's files, tokenizing the missing ones: rank r takes shards r, r + world, ...;
-    then all ranks wait at ``barrier`` for the others' shards."""
-    files = [shard_files(s, tokenizer, text_field, heldout_fraction, cache_dir) for s in shards]
-    for i in range(rank, len(shards), world_size):
-        if not files[i].done():
-            tokenize_shard(shards[i], files[i], tokenizer, text_field, heldout_fraction, f"rank {rank}")
+    """Every shard's files, tokenizing the missing ones and rebuilding corrupt ones: rank r
+    hashes, checks and tokenizes shards r, r + world, ...; then all ranks wait at ``barrier``
+    for the others' shards (their digests are then remembered: nothing is hashed twice)."""
+    own = range(rank, len(shards), world_size)
+    for i in own:
+        files = shard_files(shards[i], tokenizer, text_field, heldout_fraction, cache_dir)
+        problem = cache_problem(files) if files.done() else None
+        if problem:
+            print(f"parallel3d: rebuilding cached tokens {problem}", file=sys.stderr, flush=True)
+        if problem or not files.done():
+            tokenize_shard(shards[i], files, tokenizer, text_field, heldout_fraction, f"rank {rank}")
     if barrier is not None:
         barrier()
+    files = [shard_files(s, tokenizer, text_field, heldout_fraction, cache_dir) for s in shards]
     missing = [str(s.path) for s, f in zip(shards, files) if not f.done()]
     if missing:
         raise RuntimeError(f"shards not tokenized after every rank finished: {missing[:3]} "

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallel3d.base import ConfigError
+from parallel3d.data.integrity import remembered_digest
 
 JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 PARQUET_SUFFIXES = (".parquet",)
@@ -44,9 +45,11 @@ class Shard:
     path: Path  # the file; for text, the folder
     files: tuple[Path, ...]  # what its content key covers
 
-    def fingerprint(self) -> list:
-        """Names, sizes and modification times: changes when the content changes."""
-        return [self.kind, *[(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files]]
+    def fingerprint(self, memo_dir: Path) -> list:
+        """The SHA-256 of each file's bytes (a text folder's files also by their names in it):
+        changes whenever the content does, whatever happened to sizes and modification times."""
+        names = [str(f.relative_to(self.path)) if self.kind == "text" else "" for f in self.files]
+        return [self.kind, *[(n, remembered_digest(f, memo_dir)) for n, f in zip(names, self.files)]]
 
 
 def is_token_file(source: str) -> bool:
@@ -133,8 +136,7 @@ def _text_columns(shard: Shard, text_field: str):
             _require_field(shard, table.column_names, text_field)
             yield from table.column(text_field).chunks
         else:
-            table = _read_json(shard)
-            _require_field(shard, table.column_names, text_field)
+            table = _read_json(shard, text_field)
             yield from table.column(text_field).chunks
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
         if isinstance(e, DataError):
@@ -143,17 +145,90 @@ def _text_columns(shard: Shard, text_field: str):
                         "rewrite or remove this file (is it truncated or of another format?)") from None
 
 
-def _read_json(shard: Shard):
+def _read_json(shard: Shard, text_field: str):
+    """The text column of a JSON-lines file (pyarrow, parsing that field only), or of a JSON array."""
     import pyarrow as pa
     import pyarrow.json as pj
 
-    opener = gzip.open if shard.path.name.endswith(".gz") else open
-    with opener(shard.path, "rb") as f:
+    with _open_json(shard.path, "rb") as f:
         head = f.read(64).lstrip()
     if head.startswith(b"["):  # one JSON array of records rather than JSON lines
-        with opener(shard.path, "rt", encoding="utf-8") as f:
-            return pa.Table.from_pylist(json.load(f))
-    return pj.read_json(pa.input_stream(str(shard.path), compression="detect"))
+        return _read_json_array(shard, text_field)
+    schema = pa.schema([(text_field, pa.string())])
+    options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    try:
+        return pj.read_json(pa.input_stream(str(shard.path), compression="detect"), parse_options=options)
+    except pa.ArrowInvalid as e:  # its "row N" counts within a read block: find the line ourselves
+        line, problem, fix = _first_bad_line(shard, text_field)
+        if line is None:
+            raise DataError(str(shard.path), f"cannot be read ({_without_row(str(e))})",
+                            "rewrite or remove this file (is it truncated or of another format?)") from None
+        raise DataError(f"{shard.path} line {line}", problem, fix) from None
+
+
+def _open_json(path: Path, mode: str):
+    encoding = None if "b" in mode else "utf-8"
+    return gzip.open(path, mode, encoding=encoding) if path.name.endswith(".gz") else open(path, mode, encoding=encoding)
+
+
+def _without_row(message: str) -> str:
+    return message.splitlines()[0].split(" in row ")[0][:120]
+
+
+def _first_bad_line(shard: Shard, text_field: str) -> tuple[int | None, str, str]:
+    """The 1-based line of the first record pyarrow cannot take, what is wrong with it, the fix."""
+    with _open_json(shard.path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            problem = _record_problem(raw, text_field)
+            if problem is not None:
+                return number, *problem
+    return None, "", ""
+
+
+def _record_problem(raw: bytes, text_field: str) -> tuple[str, str] | None:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "undecodable bytes (not UTF-8)", "re-encode the file as UTF-8"
+    except ValueError as e:
+        return f"not valid JSON ({str(e)[:80]})", "fix or remove that line (one JSON object per line)"
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object", "make each line one JSON object"
+    value = record.get(text_field)
+    if value is not None and not isinstance(value, str):
+        return (f"'{text_field}' holds {type(value).__name__}, not text",
+                "set data.text_field to a text field, or fix that record")
+    return None
+
+
+def _read_json_array(shard: Shard, text_field: str):
+    """A JSON array of records: one-line errors that name the line (bad JSON) or the array index."""
+    import pyarrow as pa
+
+    try:
+        with _open_json(shard.path, "rt") as f:
+            records = json.load(f)
+    except UnicodeDecodeError:
+        raise DataError(str(shard.path), "undecodable bytes (not UTF-8)", "re-encode the file as UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{shard.path} line {e.lineno} column {e.colno}", f"not valid JSON ({e.msg})",
+                        "fix the file (a JSON array of records, or one JSON object per line)") from None
+    if not isinstance(records, list):
+        raise DataError(str(shard.path), f"a JSON {type(records).__name__}, not an array of records",
+                        "write a JSON array of records, or one JSON object per line")
+    texts = []
+    for index, record in enumerate(records):
+        value = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(value, str):
+            problem = (f"a JSON {type(record).__name__}, not an object" if not isinstance(record, dict)
+                       else f"a record without the '{text_field}' field" if value is None
+                       else f"'{text_field}' holds {type(value).__name__}, not text")
+            raise DataError(f"{shard.path} array index {index}", problem,
+                            f"fix that record, or set data.text_field to the field that holds the text")
+        texts.append(value)
+    return pa.table({text_field: pa.array(texts, pa.string())})
 
 
 def _require_field(shard: Shard, names: list[str], text_field: str) -> None:
@@ -194,8 +269,7 @@ def _line(shard: Shard, row: int) -> int:
     """1-based line of a JSON-lines record (blank lines hold no record); parquet/arrow rows count from 0."""
     if shard.kind != "json":
         return row
-    opener = gzip.open if shard.path.name.endswith(".gz") else open
-    with opener(shard.path, "rb") as f:
+    with _open_json(shard.path, "rb") as f:
         seen = -1
         for number, line in enumerate(f, start=1):
             seen += bool(line.strip())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 
@@ -53,6 +54,14 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
+
+
+def tokenizer_hash(spec: str) -> str:
+    """What identifies a tokenizer: ``byte``, or the SHA-256 of its tokenizer.json (a file moved
+    or renamed is the same tokenizer; one edited in place is another)."""
+    if spec == "byte":
+        return "byte"
+    return hashlib.sha256(Path(spec).expanduser().read_bytes()).hexdigest()
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
