@@ -34,9 +34,10 @@ from parallel3d.evaluate import Evaluator
 from parallel3d.failures import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, log_path, report_failure, warnings_to_log
 from parallel3d.launch.sweep import SweepFailures
 from parallel3d.meter import StepMeter
-from parallel3d.metrics import MetricsLogger, start_wandb
+from parallel3d.metrics import MetricsLogger, start_tensorboard, start_wandb
 from parallel3d.models import Transformer, num_params
 from parallel3d.parallel.expert import moe_statistics
+from parallel3d.profiling import StepProfiler
 from parallel3d.progress import Progress
 from parallel3d.resume import check_hf_weights, check_not_past_end, pick_checkpoint, report_changes
 from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
@@ -87,7 +88,9 @@ def train(cfg: DictConfig) -> Path:
     evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
-    logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress)
+    tensorboard = start_tensorboard(run_dir, start_step) if is_rank0 and c.logging.tensorboard else None
+    logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress,
+                           tensorboard=tensorboard)
     loop = TrainLoop(setup, sampler, checkpointer, state, logger, progress, config_yaml, evaluator)
     if is_rank0:
         print_banner(c, setup, world_size, run_dir)
@@ -122,7 +125,9 @@ class TrainLoop:
                  logger: MetricsLogger, progress: Progress, config_yaml: str, evaluator: Evaluator | None = None):
         self.setup, self.sampler, self.checkpointer, self.state = setup, sampler, checkpointer, state
         self.logger, self.progress, self.config_yaml = logger, progress, config_yaml
-        self.meter = StepMeter(setup)
+        self.meter = StepMeter(setup, warn=progress.write)
+        self.profiler = StepProfiler(setup.config, Path(setup.config.run_dir), rank(), setup.dims.world_size,
+                                     setup.device, say=progress.write)
         self.evaluator, self.evaluation = evaluator, {}
         self.after_step: list[Callable[[int, torch.Tensor, torch.Tensor, float], None]] = [
             self.evaluate, self.log_metrics, self.save_checkpoint]
@@ -136,10 +141,15 @@ class TrainLoop:
         for step in range(start_step + 1, t.steps + 1):
             self.checkpointer.poll()
             lr = self.setup.scheduler.get_last_lr()[0]
-            loss_sum, grad_norm = self.step(step)
+            self.profiler.step_begins(step)
+            try:
+                loss_sum, grad_norm = self.step(step)
+            except torch.cuda.OutOfMemoryError as e:  # dumps the allocator's snapshot when profile.memory says
+                raise self.profiler.out_of_memory(step) from e
             self.progress.update(step)
             for action in self.after_step:
                 action(step, loss_sum, grad_norm, lr)
+            self.profiler.step_ends(step)
             if stop.should_stop(step):  # every rank agrees (one tiny all_reduce per step)
                 self.save_checkpoint(step, force=True)
                 self.checkpointer.wait()
@@ -153,6 +163,7 @@ class TrainLoop:
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         micro_batches, waited = self.batches.get(step)
+        self.meter.start()
         loss_sum, grad_norm = train_step(self.setup, micro_batches)
         s = self.setup  # aux_loss and expert load ({} for a dense model); moves the sigmoid router's bias
         self.moe_stats = moe_statistics(s.parts, s.config.model, s.spec.num_micro_batches,
@@ -179,7 +190,7 @@ class TrainLoop:
             self.progress.close()  # end the bar's line before the error message
             raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
                                    f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
-        self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read(),
+        self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read(step),
                          **self.sampler.tokens_consumed(step), **self.evaluation, **self.moe_stats})
 
     def save_checkpoint(self, step: int, *_, force: bool = False) -> None:
