@@ -13,8 +13,9 @@ which also carries the memory figures the largest rank of which is reported: no 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from parallel3d.metrics import max_memory_bytes, model_state_bytes, peak_flops
 from parallel3d.models import flops_per_token
 from parallel3d.step import Setup
-from parallel3d.straggler import StragglerWatch, burn_cpu, gather_hostnames
+from parallel3d.straggler import StragglerWatch, burn, gather_hostnames
 
 # The per-rank figures of one logging step, in the order they are gathered.
 MEMORY = ("max_memory_bytes", "param_bytes", "grad_bytes", "optim_state_bytes")
@@ -54,7 +55,7 @@ class StepMeter:
         """A step's work begins (after its batches arrived)."""
         self.step_started = self.busy_clock()
         if self.slow_s:
-            burn_cpu(self.slow_s)
+            burn(self.slow_s, self.busy_clock)
 
     def stepped(self, data_wait_s: float) -> None:
         self.busy_s += self.busy_clock() - self.step_started
@@ -62,6 +63,15 @@ class StepMeter:
             self.state_bytes = model_state_bytes(self.setup.model, self.setup.optimizer)
         self.steps += 1
         self.data_wait_s += data_wait_s
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Wall time that is not training (writing a trace): left out of the step time and throughput."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.since += time.perf_counter() - start
 
     def read(self, step: int) -> dict:
         elapsed = time.perf_counter() - self.since

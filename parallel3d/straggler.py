@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 import statistics
-import time
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -49,8 +49,9 @@ class StragglerWatch:
         return lines
 
 
-def burn_cpu(seconds: float) -> None:
-    """Compute for ``seconds`` (debug.slow_rank): a slower device works longer, it does not sleep."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def burn(seconds: float, clock: Callable[[], float]) -> None:
+    """Compute for ``seconds`` of ``clock`` (debug.slow_rank): a slower device works longer, it does
+    not sleep (a sleeping rank would look idle, not slow, by the CPU time the meter reads)."""
+    end = clock() + seconds
+    while clock() < end:
         pass

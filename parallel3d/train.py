@@ -149,7 +149,8 @@ class TrainLoop:
             self.progress.update(step)
             for action in self.after_step:
                 action(step, loss_sum, grad_norm, lr)
-            self.profiler.step_ends(step)
+            with self.meter.paused():  # writing a trace is not training
+                self.profiler.step_ends(step)
             if stop.should_stop(step):  # every rank agrees (one tiny all_reduce per step)
                 self.save_checkpoint(step, force=True)
                 self.checkpointer.wait()

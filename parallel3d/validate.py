@@ -11,6 +11,7 @@ to fix it, in one message meant for a person. Allowed names live with the code t
 from __future__ import annotations
 
 import copy
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -353,6 +354,9 @@ def _check_logging(lg) -> None:
     if lg.straggler_factor and lg.straggler_factor <= 1:
         raise ConfigError("logging.straggler_factor", lg.straggler_factor, "a rank cannot be slower than "
                           "the median by a factor of 1 or less", "use a factor above 1 (2 is the default), or 0 for off")
+    if lg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard", True, "the tensorboard package is not installed",
+                          "pip install 'parallel3d[tensorboard]', or use logging=console")
     if lg.straggler_steps < 1:
         raise ConfigError("logging.straggler_steps", lg.straggler_steps, "must be >= 1",
                           "name a straggler after N >= 1 logged steps in a row")
