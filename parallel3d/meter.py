@@ -8,7 +8,7 @@ main thread's CPU time (a rank blocked in a collective or sleeping uses none; th
 takes its share of torch's intra-op work), on CUDA devices the host's wall time, which the
 host's spinning waits for the GPU fill, so there it equals ``step_time_s`` on every rank
 (docs/observability.md). Each logging step gathers a few numbers per rank in one all_gather,
-which also carries the memory figures the largest rank of which is reported: no extra collective.
+which also carries the memory figures of which the largest is reported: no extra collective.
 """
 
 from __future__ import annotations
@@ -92,10 +92,11 @@ class StepMeter:
 
 
 def gather_per_rank(values: list[float], device: torch.device) -> list[list[float]]:
-    """Every rank's ``values`` (the same length on each), in rank order: one all_gather."""
+    """Every rank's ``values`` (the same length on each), in rank order: one all_gather (on gloo
+    cheaper than an all_reduce of a table with a row per rank, BENCHMARKS.md (i))."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL gathers device tensors only
     if not dist.is_initialized():
-        return [values]
+        return [list(values)]
     every = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(every, mine)
     return every.view(dist.get_world_size(), len(values)).tolist()
