@@ -85,3 +85,21 @@ def test_a_straggler_is_named_once_per_streak():
     assert watch.check(4, [1.0, 1.0, 1.5]) == []  # recovered
     assert watch.check(5, [1.0, 1.0, 3.0]) == [] and len(watch.check(6, [1.0, 1.0, 3.0])) == 1
     assert StragglerWatch(factor=0.0, steps=1, hosts=["a", "b"]).check(1, [1.0, 9.0]) == []  # off
+
+
+def test_out_of_memory_is_one_line_naming_the_fix(tmp_path):
+    from omegaconf import OmegaConf
+
+    import torch
+    from parallel3d.config import compose
+    from parallel3d.profiling import StepProfiler, is_communication
+
+    c = OmegaConf.to_object(compose([f"run_dir={tmp_path}"]))
+    profiler = StepProfiler(c, tmp_path, 0, 1, torch.device("cpu"), say=print)
+    error = profiler.out_of_memory(7)
+    assert str(error) == ("rank 0 ran out of GPU memory at step 7. Fix: set profile.memory=true and "
+                          "profile.steps=[7, 7] to record what held the memory, or see docs/planner.md for a "
+                          "layout that fits")
+    assert all(map(is_communication, ["c10d::allreduce_", "gloo:all_gather", "nccl:all_reduce",
+                                      "_c10d_functional::wait_tensor", "ncclDevKernel_AllGather_RING_LL"]))
+    assert not any(map(is_communication, ["aten::mm", "aten::copy_", "Optimizer.step#AdamW.step"]))
