@@ -89,7 +89,7 @@ def file_lines(run_dir: Path) -> list[str]:
     traces = sorted((run_dir / "profile").glob("**/*.json")) + sorted((run_dir / "profile").glob("**/*.pickle"))
     if traces:
         windows = sorted({str(p.parent) for p in traces})
-        lines.append(f"traces:      {len(traces)} files in {', '.join(windows)} (open .json at https://ui.perfetto.dev, "
+        lines.append(f"traces:      {len(traces)} file{'s' if len(traces) > 1 else ''} in {', '.join(windows)} (open .json at https://ui.perfetto.dev, "
                      f".pickle at https://pytorch.org/memory_viz)")
     if (run_dir / "tensorboard").is_dir():
         lines.append(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
