@@ -5,9 +5,9 @@ In synchronous training every rank's wall time per step is the same: the fast ra
 the slow one inside the step's collectives. What differs is how much of the step a rank spent
 working rather than waiting, so a rank's step time here is its busy time: on CPU devices the
 main thread's CPU time (a rank blocked in a collective or sleeping uses none; the main thread
-takes its share of torch's intra-op work), on CUDA devices the host's wall time, which the
-host's spinning waits for the GPU fill, so there it equals ``step_time_s`` on every rank
-(docs/observability.md). Each logging step gathers a few numbers per rank in one all_gather,
+takes its share of torch's intra-op work); on CUDA devices the host's wall time (the host spins
+while it waits for the GPU, so its CPU time would say no more), which there equals
+``step_time_s`` on every rank (docs/observability.md). Each logging step gathers a few numbers per rank in one all_gather,
 which also carries the memory figures of which the largest is reported: no extra collective.
 """
 
