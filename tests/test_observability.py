@@ -11,11 +11,11 @@ import pytest
 from conftest import launch, launch_batch
 from parallel3d.straggler import StragglerWatch
 
-# Short runs of the tiny model: a rank that computes 0.3 s longer is many times the others' step.
+# Short runs of the tiny model: a rank that computes 0.5 s longer is many times the others' step.
 SHORT = ["train.steps=5", "optim.warmup_steps=1", "train.seq_len=32", "train.global_batch_size=8",
          "train.micro_batch_size=2", "logging.straggler_steps=2"]
 LAYOUTS = {
-    "slow-rank-2": [*SHORT, "debug.slow_rank=2", "debug.slow_rank_s=0.3"],
+    "slow-rank-2": [*SHORT, "debug.slow_rank=2", "debug.slow_rank_s=0.5"],
     "no-slow-rank": SHORT,
     "dp2-tp2-profiled": [*SHORT, "parallel.tp=2", "profile.steps=[3,4]"],
     "pp2-dp2-profiled": [*SHORT, "parallel.pp=2", "parallel.pp_schedule=1F1B", "train.micro_batch_size=1",
@@ -39,7 +39,7 @@ def test_a_slow_rank_is_named_in_the_metrics_and_on_the_console(runs):
     slow = runs["slow-rank-2"]
     assert [row["slowest_rank"] for row in slow.metrics] == [2] * 5
     for row in slow.metrics[1:]:  # (the first step warms up)
-        assert row["step_time_max_s"] >= 0.3 > 3 * row["step_time_min_s"], row
+        assert row["step_time_max_s"] >= 0.5 > 2.5 * row["step_time_min_s"], row
         assert 0 <= row["data_wait_min_s"] <= row["data_wait_max_s"] and 0 <= row["slowest_data_rank"] < 4
     named = STRAGGLER.findall(slow.stdout)
     assert [rank for rank, _ in named] == ["2"], slow.stdout  # once, after straggler_steps logged steps
@@ -47,8 +47,8 @@ def test_a_slow_rank_is_named_in_the_metrics_and_on_the_console(runs):
 
     even = runs["no-slow-rank"]
     assert not STRAGGLER.findall(even.stdout), even.stdout
-    for row in even.metrics[1:]:
-        assert row["step_time_max_s"] < 2 * row["step_time_min_s"], row
+    for row in even.metrics[1:]:  # no rank anywhere near the slowed one (the ranks' spread itself is noise here)
+        assert row["step_time_max_s"] < 0.5, row
 
 
 @pytest.mark.parametrize("name, ranks", [("dp2-tp2-profiled", [0, 1, 2, 3]), ("pp2-dp2-profiled", [0, 1, 2])])
