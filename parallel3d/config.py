@@ -190,6 +190,31 @@ class WandbConfig:
 class LoggingConfig:
     log_every: int = 1
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: bool = False  # the metrics also as TensorBoard scalars under run_dir/tensorboard/ (rank 0)
+    # A rank whose step time is over straggler_factor x the ranks' median for straggler_steps
+    # logged steps in a row is named on the console (docs/observability.md); 0 turns it off.
+    straggler_factor: float = 2.0
+    straggler_steps: int = 3
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler traces and CUDA memory snapshots of chosen steps (docs/observability.md)."""
+
+    steps: list[int] = field(default_factory=list)  # [first, last] step to record; empty: off
+    ranks: Optional[list[int]] = None  # the ranks that record; None: all
+    record_shapes: bool = False
+    with_stack: bool = False
+    memory: bool = False  # CUDA memory history of the profiled steps, and a snapshot on out-of-memory
+    top_ops: int = 10  # operators in each rank's summary
+
+
+@dataclass
+class DebugConfig:
+    """Test-only faults, to show that the run notices them."""
+
+    slow_rank: Optional[int] = None  # this rank computes slow_rank_s longer every step
+    slow_rank_s: float = 0.2
 
 
 @dataclass
@@ -243,6 +268,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     run_dir: str = "${hydra:runtime.output_dir}"

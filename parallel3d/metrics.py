@@ -1,4 +1,5 @@
-"""What a run reports: metrics.jsonl (the source of truth), the console on rank 0, and wandb.
+"""What a run reports: metrics.jsonl (the source of truth), the console on rank 0, wandb and
+TensorBoard.
 
 MFU = achieved model FLOPs / peak FLOPs of the devices. Peaks are dense (no sparsity) and come
 from the vendors' datasheets; a device missing from the table, and every CPU, reports ``null``
@@ -74,8 +75,8 @@ class MetricsLogger:
     """Writes one JSON object per logged step; rank 0 only (other ranks get a no-op logger)."""
 
     def __init__(self, run_dir: Path, total_steps: int, enabled: bool, wandb_run=None, resumed_at: int = 0,
-                 progress: Progress | None = None):
-        self.enabled, self.total_steps, self.wandb_run = enabled, total_steps, wandb_run
+                 progress: Progress | None = None, tensorboard=None):
+        self.enabled, self.total_steps, self.wandb_run, self.tensorboard = enabled, total_steps, wandb_run, tensorboard
         # Console lines go through the progress display: above its bar on a terminal, plain otherwise.
         self.progress = progress if progress is not None else Progress(enabled=enabled)
         self.path = run_dir / "metrics.jsonl"
@@ -96,6 +97,11 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in row.items() if v is not None}, step=row["step"])
         step = row["step"]
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tensorboard.add_scalar(key, value, global_step=step)
+            self.tensorboard.flush()  # the file is the record: a kill must not lose the logged steps
         elapsed = time.perf_counter() - self.start
         eta = elapsed / (step - self.first_step) * (self.total_steps - step)
         mfu = f" | mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else ""
@@ -110,6 +116,8 @@ class MetricsLogger:
             self._file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def kept_rows(path: Path, resumed_at: int) -> list[str]:
@@ -168,6 +176,15 @@ def start_wandb(wandb_cfg, run_dir: Path, config: dict, resumed: bool = False):
         run = wandb.init(mode="offline", **options)
     id_file.write_text(run.id + "\n")
     return run
+
+
+def start_tensorboard(run_dir: Path, resumed_at: int = 0):
+    """A TensorBoard writer on rank 0 under ``run_dir/tensorboard``. Every scalar is written at its
+    step, so a resumed run continues the same curves; what a killed run logged after the checkpoint
+    it resumes from is purged (``purge_step``), as metrics.jsonl drops those rows."""
+    from torch.utils.tensorboard import SummaryWriter  # imported only when enabled: tensorboard is optional
+
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resumed_at + 1 if resumed_at else None)
 
 
 def wandb_mode(configured: str | None) -> str:

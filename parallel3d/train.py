@@ -24,7 +24,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from parallel3d import hf
-from parallel3d.base import ConfigError, resolve_device, world_size_from_env
+from parallel3d.base import ConfigError, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
@@ -35,9 +35,11 @@ from parallel3d.evaluate import Evaluator
 from parallel3d.failures import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, log_path, report_failure, warnings_to_log
 from parallel3d.launch.sweep import SweepFailures
 from parallel3d.mesh import ParallelDims
-from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_bytes, peak_flops, start_wandb
-from parallel3d.models import Transformer, flops_per_token, num_params
+from parallel3d.meter import StepMeter
+from parallel3d.metrics import MetricsLogger, start_tensorboard, start_wandb
+from parallel3d.models import Transformer, num_params
 from parallel3d.parallel.expert import moe_statistics
+from parallel3d.profiling import StepProfiler
 from parallel3d.progress import Progress
 from parallel3d.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
                                report_changes)
@@ -92,7 +94,9 @@ def train(cfg: DictConfig) -> Path:
     evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
-    logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress)
+    tensorboard = start_tensorboard(run_dir, start_step) if is_rank0 and c.logging.tensorboard else None
+    logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress,
+                           tensorboard=tensorboard)
     loop = TrainLoop(setup, sampler, checkpointer, state, logger, progress, config_yaml, evaluator)
     if is_rank0:
         print_banner(c, setup, world_size, run_dir)
@@ -132,7 +136,9 @@ class TrainLoop:
                  logger: MetricsLogger, progress: Progress, config_yaml: str, evaluator: Evaluator | None = None):
         self.setup, self.sampler, self.checkpointer, self.state = setup, sampler, checkpointer, state
         self.logger, self.progress, self.config_yaml = logger, progress, config_yaml
-        self.meter = StepMeter(setup)
+        self.meter = StepMeter(setup, warn=progress.write)
+        self.profiler = StepProfiler(setup.config, Path(setup.config.run_dir), rank(), setup.dims.world_size,
+                                     setup.device, say=progress.write)
         self.tokenizer = tokenizer_hash(setup.config.data.tokenizer)  # in each checkpoint: a resume must match it
         self.evaluator, self.evaluation = evaluator, {}
         self.after_step: list[Callable[[int, torch.Tensor, torch.Tensor, float], None]] = [
@@ -147,10 +153,16 @@ class TrainLoop:
         for step in range(start_step + 1, t.steps + 1):
             self.checkpointer.poll()
             lr = self.setup.scheduler.get_last_lr()[0]
-            loss_sum, grad_norm = self.step(step)
+            self.profiler.step_begins(step)
+            try:
+                loss_sum, grad_norm = self.step(step)
+            except torch.cuda.OutOfMemoryError as e:  # dumps the allocator's snapshot when profile.memory says
+                raise self.profiler.out_of_memory(step) from e
             self.progress.update(step)
             for action in self.after_step:
                 action(step, loss_sum, grad_norm, lr)
+            with self.meter.paused():  # writing a trace is not training
+                self.profiler.step_ends(step)
             if stop.should_stop(step):  # every rank agrees (one tiny all_reduce per step)
                 self.save_checkpoint(step, force=True)
                 self.checkpointer.wait()
@@ -164,6 +176,7 @@ class TrainLoop:
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         micro_batches, waited = self.batches.get(step)
+        self.meter.start()
         loss_sum, grad_norm = train_step(self.setup, micro_batches)
         s = self.setup  # aux_loss and expert load ({} for a dense model); moves the sigmoid router's bias
         self.moe_stats = moe_statistics(s.parts, s.config.model, s.spec.num_micro_batches,
@@ -190,7 +203,7 @@ class TrainLoop:
             self.progress.close()  # end the bar's line before the error message
             raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
                                    f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
-        self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read(),
+        self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read(step),
                          **self.sampler.tokens_consumed(step), **self.evaluation, **self.moe_stats})
 
     def save_checkpoint(self, step: int, *_, force: bool = False) -> None:
@@ -212,42 +225,6 @@ def global_loss(meshes, loss_sum: torch.Tensor) -> float:
     if meshes.dp_cp is not None:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=meshes.dp_cp.get_group())
     return loss.item()
-
-
-class StepMeter:
-    """Throughput, MFU and memory since the last read, the largest rank's memory over the world."""
-
-    def __init__(self, setup: Setup):
-        self.setup = setup
-        t = setup.config.train
-        self.global_tokens = t.global_batch_size * t.seq_len
-        self.flops = flops_per_token(setup.config.model, t.seq_len)
-        self.peak = peak_flops(setup.device, t.param_dtype)
-        self.state_bytes: dict[str, int] = {}
-        self.since, self.steps, self.data_wait_s = time.perf_counter(), 0, 0.0
-
-    def stepped(self, data_wait_s: float) -> None:
-        if not self.state_bytes:  # the first step (of this process): the optimizer state now exists
-            self.state_bytes = model_state_bytes(self.setup.model, self.setup.optimizer)
-        self.steps += 1
-        self.data_wait_s += data_wait_s
-
-    def read(self) -> dict:
-        elapsed = time.perf_counter() - self.since
-        step_time, tokens_per_sec = elapsed / self.steps, self.global_tokens * self.steps / elapsed
-        data_wait_s = self.data_wait_s / self.steps  # time a step waited for its batches
-        self.since, self.steps, self.data_wait_s = time.perf_counter(), 0, 0.0
-        device = self.setup.device
-        per_rank_max = torch.tensor([max_memory_bytes(device), *self.state_bytes.values()], dtype=torch.float64,
-                                    device=device)  # NCCL reduces device tensors only
-        world_size = 1
-        if dist.is_initialized():  # the largest rank is what has to fit
-            dist.all_reduce(per_rank_max, op=dist.ReduceOp.MAX)
-            world_size = dist.get_world_size()
-        memory = [int(v) for v in per_rank_max.tolist()]
-        return {"tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
-                "mfu": tokens_per_sec * self.flops / (self.peak * world_size) if self.peak else None,
-                "max_memory_bytes": memory[0], **dict(zip(self.state_bytes, memory[1:])), "data_wait_s": data_wait_s}
 
 
 def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool,

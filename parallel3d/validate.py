@@ -11,6 +11,7 @@ to fix it, in one message meant for a person. Allowed names live with the code t
 from __future__ import annotations
 
 import copy
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -81,6 +82,7 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_data(cfg.data, cfg.model)
     check_data(cfg)  # data sources, weights, eval
     _check_logging(cfg.logging)
+    _check_profile(cfg.profile, cfg.debug, cfg.train.steps, world_size)
     _check_checkpoint(cfg.checkpoint, cfg.model, _run_dir(cfg))
     return cfg
 
@@ -349,6 +351,34 @@ def _check_logging(lg) -> None:
     if lg.wandb.mode not in (None, "online", "offline", "disabled"):
         raise ConfigError("logging.wandb.mode", lg.wandb.mode, "unknown wandb mode",
                           "use online, offline or disabled")
+    if lg.straggler_factor and lg.straggler_factor <= 1:
+        raise ConfigError("logging.straggler_factor", lg.straggler_factor, "a rank cannot be slower than "
+                          "the median by a factor of 1 or less", "use a factor above 1 (2 is the default), or 0 for off")
+    if lg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard", True, "the tensorboard package is not installed",
+                          "pip install 'parallel3d[tensorboard]', or use logging=console")
+    if lg.straggler_steps < 1:
+        raise ConfigError("logging.straggler_steps", lg.straggler_steps, "must be >= 1",
+                          "name a straggler after N >= 1 logged steps in a row")
+
+
+def _check_profile(p, debug, steps: int, world_size: int) -> None:
+    """profile.* and debug.slow_rank against the run's steps and ranks (ConfigError)."""
+    if p.steps and (len(p.steps) != 2 or not 1 <= p.steps[0] <= p.steps[1] <= steps):
+        raise ConfigError("profile.steps", list(p.steps), f"not [first, last] steps within 1..{steps}",
+                          "give two steps, e.g. profile.steps=[3,4] (skip the first steps: they warm up)")
+    outside = [r for r in p.ranks or [] if not 0 <= r < world_size]
+    if outside:
+        raise ConfigError("profile.ranks", list(p.ranks), f"ranks {outside} do not exist in {world_size} ranks",
+                          f"name ranks 0..{world_size - 1}, or leave it unset for all")
+    if (p.ranks is not None or p.memory) and not p.steps:
+        raise ConfigError("profile.steps", "[]", "profile.ranks and profile.memory need steps to profile",
+                          "set profile.steps=[first,last]")
+    if p.top_ops < 0:
+        raise ConfigError("profile.top_ops", p.top_ops, "must be >= 0", "list N >= 0 operators")
+    if debug.slow_rank is not None and not 0 <= debug.slow_rank < world_size:
+        raise ConfigError("debug.slow_rank", debug.slow_rank, f"no such rank in {world_size} ranks",
+                          f"use a rank 0..{world_size - 1}")
 
 
 # The model shape a checkpoint must share with the run that loads it (the layout may differ).

@@ -115,7 +115,8 @@ def prefetch_selected(request, parity: Parity, layouts: dict, param: str = "name
 LONGEST_FIRST = ("test_dryrun.py", "test_parallel_pipeline_zero.py", "test_checkpoint.py", "test_recovery.py",
                  "test_launch_multinode.py", "test_parallel_expert.py", "test_parallel_pipeline.py", "test_train.py",
                  "test_planner.py", "test_precision.py", "test_parallel_tensor.py", "test_parallel_context.py",
-                 "test_hf.py", "test_validate.py", "test_parallel_data.py", "test_evaluate.py")
+                 "test_hf.py", "test_validate.py", "test_parallel_data.py", "test_evaluate.py",
+                 "test_observability.py")
 
 
 def pytest_collection_modifyitems(items) -> None:

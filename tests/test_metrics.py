@@ -236,3 +236,28 @@ def test_wandb_online_with_a_silent_server_continues_offline(tmp_path, monkeypat
             conn.close()
         server.close()
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) of every scalar, read with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_holds_the_logged_metrics_and_a_resume_continues_the_curves(tmp_path):
+    run_dir = tmp_path / "run"
+    base = [*FAST, "logging=tensorboard", "checkpoint.every=3", "optim.warmup_steps=1"]
+    launch(run_dir, [*base, "train.steps=4"]).assert_finished(4)
+    resumed = launch(run_dir, [*base, "train.steps=6"])
+    resumed.assert_finished(6)
+    assert "resumed from" in resumed.stdout
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    metrics = Run(run_dir, 0, "", "").metrics
+    assert [row["step"] for row in metrics] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "grad_norm", "lr", "step_time_s", "step_time_max_s", "data_wait_max_s", "slowest_rank"):
+        assert [step for step, _ in scalars[key]] == [1, 2, 3, 4, 5, 6], key  # appended, nothing twice
+        assert [value for _, value in scalars[key]] == pytest.approx([row[key] for row in metrics], rel=1e-6), key
+    assert "mfu" not in scalars  # null on CPU

@@ -13,7 +13,7 @@ import pytest
 from matplotlib.colors import to_hex
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from plot_metrics import GIB, load_metrics, main, metric_figure, plot_runs, run_labels  # noqa: E402
+from plot_metrics import DEFAULT_METRICS, GIB, load_metrics, main, metric_figure, plot_runs, run_labels  # noqa: E402
 
 
 def row(step: int, loss: float, **extra) -> dict:
@@ -110,3 +110,18 @@ def test_a_run_without_metrics_is_a_one_line_error(two_runs, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == f"error: no metrics.jsonl at {tmp_path / 'nowhere'}"
     assert not (tmp_path / "out").exists()
+
+
+def test_per_rank_step_time_and_val_loss_are_plotted_by_default(tmp_path):
+    rows = [row(s, 5.0 - s, step_time_max_s=0.5 * s, step_time_min_s=0.1 * s) for s in (1, 2, 3)]
+    rows[-1]["val_loss"] = 2.5
+    run = write_run(tmp_path / "ranks", rows)
+    assert {"val_loss", "step_time_ranks"} <= set(DEFAULT_METRICS)
+    fig = metric_figure({"r": load_metrics(run)}, "step_time_ranks")
+    slowest, fastest = fig.axes[0].get_lines()
+    assert list(slowest.get_ydata()) == pytest.approx([0.5, 1.0, 1.5]) and slowest.get_label() == "r"
+    assert list(fastest.get_ydata()) == pytest.approx([0.1, 0.2, 0.3]) and fastest.get_linestyle() == "--"
+    assert len(fig.axes[0].collections) == 1  # the band between them
+    plt.close(fig)
+    written = plot_runs([run], tmp_path / "plots")
+    assert {"val_loss.png", "step_time_ranks.png", "summary.png"} <= {p.name for p in written}

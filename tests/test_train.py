@@ -124,6 +124,8 @@ def test_step_time_covers_the_steps_since_the_last_log(tmp_path):
     for row, steps in ((first, 3), (last, 2)):
         tokens = 16 * 64 * steps
         assert row["step_time_s"] * steps == pytest.approx(tokens / row["tokens_per_sec"], rel=1e-6)
+        # one rank: its busy time (CPU time of the steps' work) is the slowest and the fastest, within the wall time
+        assert row["step_time_min_s"] == row["step_time_max_s"] <= row["step_time_s"] and row["slowest_rank"] == 0
 
 
 def test_a_new_run_in_an_old_run_dir_starts_a_fresh_record(tmp_path):

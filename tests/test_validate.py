@@ -70,6 +70,13 @@ BAD = [
     (["model.vocab_size=200"], 1, "model.vocab_size", "257"),
     (["logging.log_every=0"], 1, "logging.log_every", ">= 1"),
     (["logging.wandb.mode=cloud"], 1, "logging.wandb.mode", "offline"),
+    (["logging.straggler_factor=0.5"], 1, "logging.straggler_factor", "0 for off"),
+    (["logging.straggler_steps=0"], 1, "logging.straggler_steps", ">= 1"),
+    (["profile.steps=[5,3]"], 1, "profile.steps", "within 1..60"),
+    (["profile.steps=[3]"], 1, "profile.steps", "profile.steps=[3,4]"),
+    (["profile.steps=[3,4]", "profile.ranks=[0,2]"], 2, "profile.ranks", "ranks [2] do not exist"),
+    (["profile.memory=true"], 1, "profile.steps", "need steps to profile"),
+    (["debug.slow_rank=4"], 4, "debug.slow_rank", "0..3"),
 ]
 
 

@@ -8,7 +8,9 @@ the step, and ``summary.png`` with all of them in a grid. A run keeps its color 
 its legend label is its run dir's name (``--labels`` to choose). Memory is in GiB, MFU in percent;
 null values (MFU on CPU) are left out, and a metric no run logged is skipped with a note.
 ``--smooth N`` draws the trailing mean of the last N logged rows in front of the faint raw line
-(noisy metrics only: loss, grad norm, throughput, MFU).
+(noisy metrics only: loss, grad norm, throughput, MFU). ``step_time_ranks`` draws, per run, the
+slowest rank's step time (solid) and the fastest's (dashed) with the band between them shaded:
+a wide band is a rank that holds the others back (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -25,15 +27,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-DEFAULT_METRICS = ("loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "max_memory_bytes")
+RANK_SPREAD = "step_time_ranks"  # step_time_max_s and step_time_min_s in one plot
+DEFAULT_METRICS = ("loss", "val_loss", "grad_norm", "lr", "tokens_per_sec", RANK_SPREAD, "mfu", "max_memory_bytes")
 GIB = 2**30
 # metric -> (axis label, factor from the logged value to the plotted one)
 UNITS = {
     "loss": ("loss", 1),
+    "val_loss": ("validation loss", 1),
     "grad_norm": ("grad norm (before clipping)", 1),
     "lr": ("learning rate", 1),
     "tokens_per_sec": ("tokens / s (all ranks)", 1),
     "step_time_s": ("step time (s)", 1),
+    RANK_SPREAD: ("step time per rank: slowest, fastest (s)", 1),
+    "step_time_max_s": ("step time, slowest rank (s)", 1),
+    "step_time_min_s": ("step time, fastest rank (s)", 1),
+    "data_wait_max_s": ("data wait, slowest rank (s)", 1),
     "mfu": ("MFU (%)", 100),
     "max_memory_bytes": ("peak memory, largest rank (GiB)", 1 / GIB),
     "param_bytes": ("parameters, largest rank (GiB)", 1 / GIB),
@@ -41,7 +49,8 @@ UNITS = {
     "optim_state_bytes": ("optimizer state, largest rank (GiB)", 1 / GIB),
 }
 # --smooth applies to these only: lr and the memory peaks are exact, averaging would just blur them
-NOISY = {"loss", "grad_norm", "tokens_per_sec", "step_time_s", "mfu"}
+NOISY = {"loss", "grad_norm", "tokens_per_sec", "step_time_s", "mfu", RANK_SPREAD, "step_time_max_s",
+         "step_time_min_s", "data_wait_max_s"}
 
 
 def metrics_file(run: str | Path) -> Path:
@@ -86,6 +95,8 @@ def run_labels(runs: list[str | Path]) -> list[str]:
 
 def series(rows: list[dict], metric: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values in plotted units) of the rows that logged a number for the metric."""
+    if metric == RANK_SPREAD:  # present where the slowest rank's time is
+        metric = "step_time_max_s"
     factor = UNITS.get(metric, (metric, 1))[1]
     kept = [(row["step"], row[metric]) for row in rows if isinstance(row.get(metric), (int, float))]
     steps, values = zip(*kept) if kept else ((), ())
@@ -105,6 +116,9 @@ def trailing_mean(values: np.ndarray, n: int) -> np.ndarray:
 def draw_metric(ax, data: dict[str, list[dict]], metric: str, n: int = 1) -> None:
     n = n if metric in NOISY else 1
     for i, (label, rows) in enumerate(data.items()):
+        if metric == RANK_SPREAD:
+            draw_rank_spread(ax, rows, label, f"C{i}", n)
+            continue
         steps, values = series(rows, metric)
         if not len(steps):
             continue
@@ -119,6 +133,18 @@ def draw_metric(ax, data: dict[str, list[dict]], metric: str, n: int = 1) -> Non
     if factor == 1 / GIB:
         ax.set_ylim(bottom=0)  # memory is read against the device's capacity, so keep zero in view
     ax.grid(alpha=0.3)
+
+
+def draw_rank_spread(ax, rows: list[dict], label: str, color: str, n: int) -> None:
+    """One run's slowest and fastest rank's step time, the band between them shaded."""
+    steps, slowest = series(rows, "step_time_max_s")
+    _, fastest = series(rows, "step_time_min_s")
+    if not len(steps) or len(fastest) != len(slowest):
+        return
+    slowest, fastest = trailing_mean(slowest, n), trailing_mean(fastest, n)
+    ax.plot(steps, slowest, color=color, label=label, marker="o" if len(steps) == 1 else None)
+    ax.plot(steps, fastest, color=color, linestyle="--", label=f"_{label} fastest rank")
+    ax.fill_between(steps, fastest, slowest, color=color, alpha=0.15)
 
 
 def metric_figure(data: dict[str, list[dict]], metric: str, n: int = 1):

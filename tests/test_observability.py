@@ -1,0 +1,105 @@
+"""Per-rank timing and stragglers (parallel3d/meter.py, straggler.py) and profiler traces
+(parallel3d/profiling.py), on real 4-rank runs: one launch trains all four layouts."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import launch, launch_batch
+from parallel3d.straggler import StragglerWatch
+
+# Short runs of the tiny model: a rank that computes 0.5 s longer is many times the others' step.
+SHORT = ["train.steps=5", "optim.warmup_steps=1", "train.seq_len=32", "train.global_batch_size=8",
+         "train.micro_batch_size=2", "logging.straggler_steps=2"]
+LAYOUTS = {
+    "slow-rank-2": [*SHORT, "debug.slow_rank=2", "debug.slow_rank_s=0.5"],
+    "no-slow-rank": SHORT,
+    "dp2-tp2-profiled": [*SHORT, "parallel.tp=2", "profile.steps=[3,4]"],
+    "pp2-dp2-profiled": [*SHORT, "parallel.pp=2", "parallel.pp_schedule=1F1B", "train.micro_batch_size=1",
+                         "profile.steps=[3,4]", "profile.ranks=[0,1,2]", "profile.memory=true"],
+}
+STRAGGLER = re.compile(r"parallel3d: straggler: rank (\d+) on (\S+) took")
+
+
+@pytest.fixture(scope="module")
+def runs(runs_root):
+    """The four layouts in one 4-rank launch; any that failed there, launched on its own."""
+    done = launch_batch(runs_root, LAYOUTS, nproc=4)
+    for name, overrides in LAYOUTS.items():
+        if name not in done:
+            done[name] = launch(runs_root / name, overrides, nproc=4)
+            done[name].assert_finished(5)
+    return done
+
+
+def test_a_slow_rank_is_named_in_the_metrics_and_on_the_console(runs):
+    slow = runs["slow-rank-2"]
+    assert [row["slowest_rank"] for row in slow.metrics] == [2] * 5
+    for row in slow.metrics[1:]:  # (the first step warms up)
+        assert row["step_time_max_s"] >= 0.5 > 2.5 * row["step_time_min_s"], row
+        assert 0 <= row["data_wait_min_s"] <= row["data_wait_max_s"] and 0 <= row["slowest_data_rank"] < 4
+    named = STRAGGLER.findall(slow.stdout)
+    assert [rank for rank, _ in named] == ["2"], slow.stdout  # once, after straggler_steps logged steps
+    assert named[0][1] == __import__("socket").gethostname()
+
+    even = runs["no-slow-rank"]
+    assert not STRAGGLER.findall(even.stdout), even.stdout
+    for row in even.metrics[1:]:  # no rank anywhere near the slowed one (the ranks' spread itself is noise here)
+        assert row["step_time_max_s"] < 0.5, row
+
+
+@pytest.mark.parametrize("name, ranks", [("dp2-tp2-profiled", [0, 1, 2, 3]), ("pp2-dp2-profiled", [0, 1, 2])])
+def test_profiled_steps_write_a_chrome_trace_per_rank_with_the_collectives(runs, name, ranks):
+    run = runs[name]
+    folder = run.run_dir / "profile"
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["step3"]
+    assert sorted(p.name for p in (folder / "step3").glob("rank*.json")) == [f"rank{r}.json" for r in ranks]
+    for rank in ranks:
+        events = json.loads((folder / "step3" / f"rank{rank}.json").read_text())["traceEvents"]
+        names = {e.get("name", "") for e in events if e.get("ph") == "X"}
+        assert "aten::mm" in names
+        assert any(n.startswith("gloo:") for n in names) and any(n.startswith("c10d::") for n in names), names
+        if name.startswith("pp2"):  # the stage-to-stage activations
+            assert {"gloo:send", "gloo:recv"} <= names or {"c10d::send", "c10d::recv_"} <= names, names
+    summary = re.findall(r"parallel3d: profile: (\S+) \(2 steps\): per step ([\d.]+) ms in communication", run.stdout)
+    assert summary and summary[0][0] == str(folder / "step3" / "rank0.json") and float(summary[0][1]) > 0
+    assert "per step" in (run.run_dir / "logs" / "rank1.log").read_text()  # the other ranks' summaries
+
+
+def test_profile_memory_on_cpu_says_what_it_cannot_do_and_compares_with_the_planner(runs):
+    out = runs["pp2-dp2-profiled"].stdout
+    assert "profile.memory on CPU: no CUDA memory snapshots" in out
+    compared = re.findall(r"parallel3d: memory: rank (\d) measured [\d.]+ GiB .* planner predicted [\d.]+ GiB", out)
+    assert compared == ["0", "1", "2", "3"], out
+
+
+def test_a_straggler_is_named_once_per_streak():
+    watch = StragglerWatch(factor=2.0, steps=2, hosts=["a", "b", "c"])
+    assert watch.check(1, [1.0, 1.0, 3.0]) == []  # one logged step: not yet
+    (line,) = watch.check(2, [1.0, 1.0, 3.0])
+    assert line.startswith("parallel3d: straggler: rank 2 on c took 3.000 s per step, 3.0x the ranks' median")
+    assert watch.check(3, [1.0, 1.0, 3.0]) == []  # still slow: said already
+    assert watch.check(4, [1.0, 1.0, 1.5]) == []  # recovered
+    assert watch.check(5, [1.0, 1.0, 3.0]) == [] and len(watch.check(6, [1.0, 1.0, 3.0])) == 1
+    assert StragglerWatch(factor=0.0, steps=1, hosts=["a", "b"]).check(1, [1.0, 9.0]) == []  # off
+
+
+def test_out_of_memory_is_one_line_naming_the_fix(tmp_path):
+    from omegaconf import OmegaConf
+
+    import torch
+    from parallel3d.config import compose
+    from parallel3d.profiling import StepProfiler, is_communication
+
+    c = OmegaConf.to_object(compose([f"run_dir={tmp_path}"]))
+    profiler = StepProfiler(c, tmp_path, 0, 1, torch.device("cpu"), say=print)
+    error = profiler.out_of_memory(7)
+    assert str(error) == ("rank 0 ran out of GPU memory at step 7. Fix: set profile.memory=true and "
+                          "profile.steps=[7, 7] to record what held the memory, or see docs/planner.md for a "
+                          "layout that fits")
+    assert all(map(is_communication, ["c10d::allreduce_", "gloo:all_gather", "nccl:all_reduce",
+                                      "_c10d_functional::wait_tensor", "ncclDevKernel_AllGather_RING_LL"]))
+    assert not any(map(is_communication, ["aten::mm", "aten::copy_", "Optimizer.step#AdamW.step"]))
