@@ -127,6 +127,11 @@ class TrainConfig:
     float8: str = "none"
     float8_skip_small: bool = True  # skip linears torchao's H100 tables say lose in float8 (false: all but the head)
     float8_fsdp_all_gather: bool = False  # FSDP all-gathers weights in float8 (tensorwise; scales precomputed)
+    # A step with a non-finite loss or grad norm, or a grad-norm spike, is bad (parallel3d/guard.py,
+    # docs/troubleshooting.md): stop (one line naming it, exit 3) | skip (no update on any rank).
+    on_bad_step: str = "stop"
+    spike_factor: float = 0.0  # bad: grad norm > this x the median of the last 100 good steps; 0 = off
+    max_bad_steps: int = 5  # under skip: this many bad steps in a row roll back to the newest checkpoint
 
 
 @dataclass
@@ -233,6 +238,13 @@ class SlurmConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Faults on purpose, for tests of what the run does about them."""
+
+    nan_steps: list[int] = field(default_factory=list)  # every rank's loss and gradients NaN at these steps
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -243,6 +255,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     run_dir: str = "${hydra:runtime.output_dir}"
     recipe: Optional[str] = None  # the recipe's name, set by the recipe itself
 
