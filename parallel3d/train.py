@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from parallel3d import hf
+from parallel3d import hf, watchdog
 from parallel3d.base import ConfigError, resolve_device, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
 from parallel3d.data.checks import check_corpus
-from parallel3d.distributed import init_distributed
+from parallel3d.distributed import init_distributed, report_hangs_in
 from parallel3d.evaluate import Evaluator
 from parallel3d.guard import BadStepGuard, TrainingDiverged
 from parallel3d.failures import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, log_path, report_failure, warnings_to_log
@@ -59,6 +59,7 @@ def train(cfg: DictConfig) -> Path:
     run_dir = shared_run_dir(str(cfg.run_dir))
     cfg.run_dir = str(run_dir)
     own_run_dir(run_dir, fresh_start=cfg.checkpoint.resume == "none")  # released by run_job
+    report_hangs_in(run_dir)
     if not is_rank0:  # rank 0 shows each warning once; the others' go to run_dir/logs/rank<N>.log
         warnings_to_log(log_path(run_dir, rank()))
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
@@ -134,6 +135,7 @@ class TrainLoop:
         step = start_step
         while step < t.steps:
             step += 1
+            watchdog.mark(step)  # a stall from here on is named when a collective times out
             self.checkpointer.poll()
             lr = self.setup.scheduler.get_last_lr()[0]
             loss_sum, grad_norm = self.step(step)
@@ -334,7 +336,7 @@ def run_job(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # a second Ctrl-C
         sys.exit(EXIT_INTERRUPTED)
     except Exception as e:
-        report_failure(e, _known_run_dir(cfg), rank())
+        report_failure(watchdog.explain(e), _known_run_dir(cfg), rank())  # a hang: names the rank
         if rank() != 0:
             time.sleep(2)
         sys.exit(EXIT_FAILED)
@@ -342,6 +344,7 @@ def run_job(cfg: DictConfig) -> None:
         if dist.is_initialized():
             dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
+        watchdog.stop()
         release_run_dir(_known_run_dir(cfg))
         if dist.is_initialized():
             dist.destroy_process_group()
