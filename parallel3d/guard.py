@@ -101,7 +101,7 @@ class BadStepGuard:
         flags = torch.stack([~torch.isfinite(loss_sum), bad_norm]).to(torch.float32)
         if self.group is not None or dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        bad_loss, bad_norm, norm = torch.cat([flags, grad_norm.detach().to(torch.float32).reshape(1)]).tolist()
+        bad_loss, bad_norm, norm = torch.cat([flags.double(), grad_norm.detach().double().reshape(1)]).tolist()
         if not (bad_loss or bad_norm):
             self.recent_norms.append(norm)
             self.bad_in_a_row = 0

@@ -206,8 +206,10 @@ def explain(error: BaseException) -> BaseException:
     hang = _current.diagnosis()
     if hang is None:
         return error
-    line = (f"{describe(hang, _current.rank)}: a collective failed after train.dist_timeout_s="
-            f"{_current.timeout_s:g} s ({' '.join(str(error).split())[:200]}). Every rank's Python stack is in "
+    timed_out = "imed out" in str(error)  # else a peer's connection closed: it died
+    failed = f"timed out after train.dist_timeout_s={_current.timeout_s:g} s" if timed_out else "failed"
+    line = (f"{describe(hang, _current.rank)}: a collective {failed} ({' '.join(str(error).split())[:200]}). "
+            f"Every rank's Python stack is in "
             f"{_current.log_path.parent}/rank<N>.log. Fix: find out why {_culprit(hang, _current.rank)} hung "
             f"(its log, its machine); raise train.dist_timeout_s if a step legitimately takes longer")
     reporter = min((r for r in range(_current.world_size) if r not in hang.silent), default=_current.rank)
