@@ -108,10 +108,11 @@ def _assert_skipped_7(rows: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     root = tmp_path_factory.mktemp("guard1")
-    rollback = [*FAST, "debug.nan_steps=[7,8]", "train.on_bad_step=skip", "train.max_bad_steps=2",
-                "checkpoint.every=5"]
-    runs = launch_batch(root, {"skip": NAN_AT_7, "rollback": rollback}, nproc=1)
-    assert set(runs) == {"skip", "rollback"}, list((root).glob("*.batch/*"))
+    rollback = [*FAST, "train.steps=12", "debug.nan_steps=[7,8]", "train.on_bad_step=skip",
+                "train.max_bad_steps=2", "checkpoint.every=5"]
+    resumed = [*rollback, f"checkpoint.resume={root / 'rollback' / 'checkpoints' / 'step_10'}"]
+    runs = launch_batch(root, {"skip": NAN_AT_7, "rollback": rollback, "resumed": resumed}, nproc=1)
+    assert set(runs) == {"skip", "rollback", "resumed"}, list((root).glob("*.batch/*"))
     return runs
 
 
@@ -140,13 +141,14 @@ def test_a_poisoned_step_is_skipped_alike_in_every_layout(tmp_path, one_process)
     assert [r["step"] for r in _metrics(tmp_path / "stop")] == list(range(1, 7))
 
 
-def test_bad_steps_in_a_row_roll_back_once_and_the_run_finishes(one_process):
+def test_bad_steps_in_a_row_roll_back_once_and_a_resume_continues_the_same_data(one_process):
     """nan_steps=[7,8] with max_bad_steps=2: after step 8 the run reloads step_5 and trains steps
-    6..10 on the data of steps 9..13; the checkpoint records the skip for a resume."""
+    6..12 on the data of steps 9..15; step_10 records the skip, and a run resumed from it trains
+    steps 11 and 12 as the rolled-back run did."""
     run = one_process["rollback"]
     assert "rolled back to step_5; steps 6.. train on the data after step 8 (3 steps of data skipped)" in run.stdout
     rows = _metrics(run.run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 11))  # the abandoned steps 6..8 were dropped
+    assert [r["step"] for r in rows] == list(range(1, 13))  # the abandoned steps 6..8 were dropped
     assert rows[-1]["skipped_steps"] == 2 and not any(r["skipped"] for r in rows)
     skip = _metrics(one_process["skip"].run_dir)
     assert [r["loss"] for r in rows[:5]] == [r["loss"] for r in skip[:5]]
@@ -155,3 +157,6 @@ def test_bad_steps_in_a_row_roll_back_once_and_the_run_finishes(one_process):
     assert meta["samples_seen"] == (10 + 3) * 16
     assert meta["guard"]["skipped_steps"] == 2
     assert meta["guard"]["rollbacks"] == [{"at_step": 8, "to_step": 5, "skipped_steps": 3, "skipped_samples": 48}]
+    resumed = _metrics(one_process["resumed"].run_dir)
+    assert [r["step"] for r in resumed] == [11, 12] and resumed[-1]["skipped_steps"] == 2
+    assert relative_error([r["loss"] for r in resumed], [r["loss"] for r in rows[10:]]) < 1e-5
