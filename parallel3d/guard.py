@@ -61,7 +61,7 @@ class BadStepGuard:
         self.recent_norms: deque[float] = deque(maxlen=SPIKE_WINDOW)  # of good steps
         self.skipped_steps = 0  # cumulative over the run, resumes included
         self.bad_in_a_row = 0
-        self.rollbacks: list[dict] = []  # {"at_step", "to_step", "skipped_samples"}, oldest first
+        self.rollbacks: list[dict] = []  # {"at_step", "to_step", "skipped_steps", "skipped_samples"}, oldest first
         self.step, self.skipped, self.reason = 0, False, ""  # of the step being decided
 
     @classmethod
@@ -109,7 +109,8 @@ class BadStepGuard:
         self.reason = self._describe(bool(bad_loss), norm, threshold)
         if self.on_bad_step == "stop":
             raise TrainingDiverged(f"{self.reason} at step {self.step}: training diverged. Lower optim.lr, raise "
-                                   f"optim.warmup_steps or set train.grad_clip; train.on_bad_step=skip skips such steps")
+                                   f"optim.warmup_steps or set train.grad_clip; train.on_bad_step=skip skips "
+                                   f"such steps")
         self.skipped, self.skipped_steps, self.bad_in_a_row = True, self.skipped_steps + 1, self.bad_in_a_row + 1
         return False
 

@@ -115,7 +115,7 @@ def build_model(c: Config, meshes: Meshes, device: torch.device, microbatches: i
     return torch.nn.ModuleList(pipeline.parts), pipeline, tied
 
 
-def train_step(setup: Setup, micro_batches: MicroBatches,
+def train_step(setup: Setup, micro_batches: MicroBatches, *,
                guard: BadStepGuard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro batches: forward and backward (through the pipeline
     schedule under pp), the tied embeddings' gradient sum, global-norm clipping, optimizer and lr

@@ -51,9 +51,10 @@ class Hang:
 class Watchdog:
     """This rank's heartbeat writer and stall watcher (a daemon thread); see the module docstring."""
 
-    def __init__(self, *, store, rank: int, world_size: int, timeout_s: float, log_path: Path):
+    def __init__(self, *, store, rank: int, world_size: int, timeout_s: float, log_path: Path,
+                 announce: bool = False):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
-        self.log_path = log_path
+        self.log_path, self.announce = log_path, announce
         self.beat_s = min(max(timeout_s / 20, 0.25), 5.0)
         self.fire_after = max(timeout_s - 4 * self.beat_s, timeout_s / 2)
         self.step, self.last_progress = 0, time.monotonic()
@@ -110,6 +111,10 @@ class Watchdog:
         with open(self.log_path, "a") as f:
             f.write(f"parallel3d watchdog: {describe(self.hang, self.rank)}\n")
         self._diagnosed.set()
+        if self.announce and silent and self.rank == min(set(range(self.world_size)) - set(silent)):
+            print(f"parallel3d: error: {describe(self.hang, self.rank)}; the collective times out at "
+                  f"train.dist_timeout_s={self.timeout_s:g} s. Stacks in {self.log_path.parent}/rank<N>.log, "
+                  f"NCCL's flight recorder in {self.log_path.parent}/nccl_trace_rank_<N>", file=sys.stderr, flush=True)
 
     def read_beats(self) -> dict[int, tuple[int, int]]:
         """(beats, step) of every rank that has beaten, from the store."""
@@ -174,8 +179,10 @@ def start(*, timeout_s: float, log_path: Path) -> Watchdog | None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     store = dist.distributed_c10d._get_default_store()
+    # NCCL's own watchdog aborts the process when the collective times out, before explain() could
+    # run: ours says it on the console when it finds a silent rank.
     _current = Watchdog(store=store, rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=timeout_s,
-                        log_path=log_path).start()
+                        log_path=log_path, announce=dist.get_backend() == "nccl").start()
     return _current
 
 

@@ -150,9 +150,6 @@ def test_bad_steps_in_a_row_roll_back_once_and_a_resume_continues_the_same_data(
     rows = _metrics(run.run_dir)
     assert [r["step"] for r in rows] == list(range(1, 13))  # the abandoned steps 6..8 were dropped
     assert rows[-1]["skipped_steps"] == 2 and not any(r["skipped"] for r in rows)
-    skip = _metrics(one_process["skip"].run_dir)
-    assert [r["loss"] for r in rows[:5]] == [r["loss"] for r in skip[:5]]
-    assert rows[5]["loss"] != skip[5]["loss"]  # step 6 trains on step 9's batch
     meta = json.loads((run.run_dir / "checkpoints" / "step_10" / "meta.json").read_text())
     assert meta["samples_seen"] == (10 + 3) * 16
     assert meta["guard"]["skipped_steps"] == 2
