@@ -4,11 +4,12 @@ A step is bad when its loss or gradient norm is not finite, or (``train.spike_fa
 its gradient norm exceeds ``spike_factor`` x the median norm of the last ``SPIKE_WINDOW`` good
 steps. Each rank sees only part of the loss (its data-parallel share, the last pipeline stage's),
 so a rank-local decision could update the weights on some ranks and not on others, and the next
-collective would hang or mix states. :meth:`BadStepGuard.update_allowed` therefore all-reduces two
-flags (loss, norm; MAX) per step over every rank; the gradient norm needs no reduction of its own,
-clipping already made it global. The answer is read on the host together with the norm: one host
-sync per step, before the optimizer step (a skip is a Python branch), where the default
-``logging.log_every=1`` already syncs after it to read the loss.
+collective would hang or mix states. :meth:`BadStepGuard.update_allowed` therefore all-reduces
+two numbers per step over every rank (SUM of this rank's loss and of the gradient norm, which
+clipping already made global: a non-finite loss anywhere makes the sum non-finite, and the norm
+comes back identical on every rank). They are read on the host, where the rule is applied: one
+host sync per step, before the optimizer step (a skip is a Python branch); the default
+``logging.log_every=1`` already syncs once per step, after it, to read the loss.
 
 ``train.on_bad_step``: ``stop`` raises :class:`TrainingDiverged` naming the step; ``skip`` leaves
 the weights and optimizer state as they were (the learning-rate schedule and the data advance)
@@ -94,19 +95,21 @@ class BadStepGuard:
         """Whether this step may update the weights: the same answer on every rank (a collective:
         every rank calls it). ``loss_sum`` is this rank's share, ``grad_norm`` the global norm.
         Raises TrainingDiverged for a bad step under ``on_bad_step=stop``."""
-        bad_norm = ~torch.isfinite(grad_norm)
-        threshold = self.spike_threshold()
-        if threshold is not None:
-            bad_norm |= grad_norm > threshold
-        flags = torch.stack([~torch.isfinite(loss_sum), bad_norm]).to(torch.float32)
+        values = torch.stack([loss_sum.detach().double(), grad_norm.detach().double()])
+        ranks = 1
         if self.group is not None or dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        bad_loss, bad_norm, norm = torch.cat([flags.double(), grad_norm.detach().double().reshape(1)]).tolist()
-        if not (bad_loss or bad_norm):
+            # A SUM is non-finite when any rank's loss is; the norm, global already, comes back times
+            # the world size and identical on every rank, so every rank judges a spike alike.
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+            ranks = dist.get_world_size(self.group)
+        loss_total, norm_total = values.tolist()
+        norm, threshold = norm_total / ranks, self.spike_threshold()
+        bad_loss = not math.isfinite(loss_total)
+        if not bad_loss and math.isfinite(norm) and (threshold is None or norm <= threshold):
             self.recent_norms.append(norm)
             self.bad_in_a_row = 0
             return True
-        self.reason = self._describe(bool(bad_loss), norm, threshold)
+        self.reason = self._describe(bad_loss, norm, threshold)
         if self.on_bad_step == "stop":
             raise TrainingDiverged(f"{self.reason} at step {self.step}: training diverged. Lower optim.lr, raise "
                                    f"optim.warmup_steps or set train.grad_clip; train.on_bad_step=skip skips "
