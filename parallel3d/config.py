@@ -127,6 +127,11 @@ class TrainConfig:
     float8: str = "none"
     float8_skip_small: bool = True  # skip linears torchao's H100 tables say lose in float8 (false: all but the head)
     float8_fsdp_all_gather: bool = False  # FSDP all-gathers weights in float8 (tensorwise; scales precomputed)
+    # A step with a non-finite loss or grad norm, or a grad-norm spike, is bad (parallel3d/guard.py,
+    # docs/troubleshooting.md): stop (one line naming it, exit 3) | skip (no update on any rank).
+    on_bad_step: str = "stop"
+    spike_factor: float = 0.0  # bad: grad norm > this x the median of the last 100 good steps; 0 = off
+    max_bad_steps: int = 5  # under skip: this many bad steps in a row roll back to the newest checkpoint
 
 
 @dataclass
@@ -213,6 +218,7 @@ class ProfileConfig:
 class DebugConfig:
     """Test-only faults, to show that the run notices them."""
 
+    nan_steps: list[int] = field(default_factory=list)  # every rank's loss and gradients NaN at these steps
     slow_rank: Optional[int] = None  # this rank computes slow_rank_s longer every step
     slow_rank_s: float = 0.2
 

@@ -83,11 +83,21 @@ class MetricsLogger:
         self.start, self.first_step = time.perf_counter(), resumed_at
         self._file = None
         if enabled:  # a fresh run starts its own record; a resumed one keeps the rows up to its checkpoint
-            kept = kept_rows(self.path, resumed_at) if resumed_at and self.path.exists() else []
-            tmp = self.path.with_name(self.path.name + ".tmp")  # a kill now must not lose the kept rows
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
-            self._file = open(self.path, "a")
+            self._keep_until(resumed_at)
+
+    def _keep_until(self, step: int) -> None:
+        kept = kept_rows(self.path, step) if step and self.path.exists() else []
+        tmp = self.path.with_name(self.path.name + ".tmp")  # a kill now must not lose the kept rows
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a")
+
+    def rewind(self, step: int) -> None:
+        """Drop the rows after ``step``: training rolled back to its checkpoint, as a resume would."""
+        if self.enabled:
+            self._file.close()
+            self._keep_until(step)
+            self.start, self.first_step = time.perf_counter(), step
 
     def log(self, row: dict) -> None:
         if not self.enabled:

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from parallel3d.config import Config
 from parallel3d.data import BatchSpec
 from parallel3d.data.documents import document_inputs
+from parallel3d.guard import BadStepGuard, poison
 from parallel3d.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.models import Transformer
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
@@ -114,11 +115,13 @@ def build_model(c: Config, meshes: Meshes, device: torch.device, microbatches: i
     return torch.nn.ModuleList(pipeline.parts), pipeline, tied
 
 
-def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(setup: Setup, micro_batches: MicroBatches, *,
+               guard: BadStepGuard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro batches: forward and backward (through the pipeline
     schedule under pp), the tied embeddings' gradient sum, global-norm clipping, optimizer and lr
-    steps. Returns (this rank's summed loss, the gradient norm); the gradients stay for the caller
-    to measure and zero."""
+    steps. ``guard`` decides with every rank, before the optimizer, whether the update happens (a
+    bad step: none on any rank; the lr schedule advances). Returns (this rank's summed loss, the
+    gradient norm); the gradients stay for the caller to measure and zero."""
     s, c = setup, setup.config
     # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
     # backward are computed on the shards.
@@ -134,14 +137,17 @@ def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor,
     # The optimizer's list is the model's trainable parameters: reading it spares walking the
     # module tree every step.
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
+    if guard is not None and guard.inject_nan:  # debug.nan_steps
+        poison(loss_sum, params)
     settle_gradients(params)
     if s.tied is not None:
         s.tied.sync_gradients()
     grad_norm = clip_grad_norm_(params, c.train.grad_clip, uncounted=s.tied.output_copies if s.tied else (),
                                 pp_group=s.meshes.pp.get_group() if s.meshes.pp is not None else None)
-    s.optimizer.step()
-    if c.train.float8_fsdp_all_gather:  # the next all-gathers' float8 scales, in one all-reduce
-        precompute_float8_scales([s.model])
+    if guard is None or guard.update_allowed(loss_sum, grad_norm):
+        s.optimizer.step()
+        if c.train.float8_fsdp_all_gather:  # the next all-gathers' float8 scales, in one all-reduce
+            precompute_float8_scales([s.model])
     s.scheduler.step()
     return loss_sum, grad_norm
 

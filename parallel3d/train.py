@@ -10,7 +10,6 @@ parallelize -> materialize + deterministic init -> data on the dp view -> loop -
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -23,15 +22,16 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from parallel3d import hf
+from parallel3d import hf, watchdog
 from parallel3d.base import ConfigError, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
 from parallel3d.config import CONF_DIR, Config, register_configs
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
 from parallel3d.data.checks import check_corpus, check_heldout
 from parallel3d.data.tokenizer import tokenizer_hash
-from parallel3d.distributed import init_distributed
+from parallel3d.distributed import init_distributed, report_hangs_in
 from parallel3d.evaluate import Evaluator
+from parallel3d.guard import BadStepGuard, TrainingDiverged
 from parallel3d.failures import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, log_path, report_failure, warnings_to_log
 from parallel3d.launch.sweep import SweepFailures
 from parallel3d.mesh import ParallelDims
@@ -51,10 +51,6 @@ from parallel3d.strictconfig import RecipeError
 from parallel3d.validate import check
 
 
-class TrainingDiverged(RuntimeError):
-    pass
-
-
 SWEEP_FAILURES = SweepFailures()
 
 
@@ -68,6 +64,7 @@ def train(cfg: DictConfig) -> Path:
     run_dir = shared_run_dir(str(cfg.run_dir))
     cfg.run_dir = str(run_dir)
     own_run_dir(run_dir, fresh_start=cfg.checkpoint.resume == "none")  # released by run_job
+    report_hangs_in(run_dir)
     if not is_rank0:  # rank 0 shows each warning once; the others' go to run_dir/logs/rank<N>.log
         warnings_to_log(log_path(run_dir, rank()))
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
@@ -79,7 +76,8 @@ def train(cfg: DictConfig) -> Path:
     progress = Progress(enabled=is_rank0)  # bars on a terminal, plain lines otherwise
     checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=c.train.dist_timeout_s), progress=progress)
     state = TrainState(setup.parts, setup.optimizer, setup.scheduler)
-    start_step, data_offset = restore(checkpointer, state, c, is_rank0, config_yaml)
+    guard = BadStepGuard.for_run(c.train, c.debug)
+    start_step, data_offset = restore(checkpointer, state, c, is_rank0, config_yaml, guard)
     if c.checkpoint.create_seed:
         save_seed(checkpointer, setup, config_yaml, is_rank0)
         return run_dir
@@ -97,7 +95,7 @@ def train(cfg: DictConfig) -> Path:
     tensorboard = start_tensorboard(run_dir, start_step) if is_rank0 and c.logging.tensorboard else None
     logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress,
                            tensorboard=tensorboard)
-    loop = TrainLoop(setup, sampler, checkpointer, state, logger, progress, config_yaml, evaluator)
+    loop = TrainLoop(setup, sampler, checkpointer, state, logger, progress, config_yaml, evaluator, guard)
     if is_rank0:
         print_banner(c, setup, world_size, run_dir)
     loop.run(start_step)
@@ -133,8 +131,10 @@ class TrainLoop:
     order. Work around the whole loop (signals, locks) wraps ``run``."""
 
     def __init__(self, setup: Setup, sampler: StepSampler, checkpointer: Checkpointer, state: TrainState,
-                 logger: MetricsLogger, progress: Progress, config_yaml: str, evaluator: Evaluator | None = None):
+                 logger: MetricsLogger, progress: Progress, config_yaml: str, evaluator: Evaluator | None = None,
+                 guard: BadStepGuard | None = None):
         self.setup, self.sampler, self.checkpointer, self.state = setup, sampler, checkpointer, state
+        self.guard = guard or BadStepGuard.for_run(setup.config.train, setup.config.debug)
         self.logger, self.progress, self.config_yaml = logger, progress, config_yaml
         self.meter = StepMeter(setup, warn=progress.write)
         self.profiler = StepProfiler(setup.config, Path(setup.config.run_dir), rank(), setup.dims.world_size,
@@ -150,7 +150,10 @@ class TrainLoop:
         # SIGTERM/SIGUSR1 (preemption) and Ctrl-C: finish the step, save, exit to be requeued.
         stop = StopSignals.for_run(self.checkpointer.root, rank() == 0, timedelta(seconds=t.dist_timeout_s)).install()
         self.batches = Prefetcher(self.sampler, start_step + 1, t.steps)  # the next step's, while this one runs
-        for step in range(start_step + 1, t.steps + 1):
+        step = start_step
+        while step < t.steps:
+            step += 1
+            watchdog.mark(step)  # a stall from here on is named when a collective times out
             self.checkpointer.poll()
             lr = self.setup.scheduler.get_last_lr()[0]
             self.profiler.step_begins(step)
@@ -158,6 +161,9 @@ class TrainLoop:
                 loss_sum, grad_norm = self.step(step)
             except torch.cuda.OutOfMemoryError as e:  # dumps the allocator's snapshot when profile.memory says
                 raise self.profiler.out_of_memory(step) from e
+            if self.guard.rollback_due:  # train.max_bad_steps bad steps in a row (every rank agrees)
+                step = self.roll_back(step)
+                continue
             self.progress.update(step)
             for action in self.after_step:
                 action(step, loss_sum, grad_norm, lr)
@@ -177,7 +183,8 @@ class TrainLoop:
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         micro_batches, waited = self.batches.get(step)
         self.meter.start()
-        loss_sum, grad_norm = train_step(self.setup, micro_batches)
+        self.guard.begin(step)
+        loss_sum, grad_norm = train_step(self.setup, micro_batches, guard=self.guard)  # the guard may skip the update
         s = self.setup  # aux_loss and expert load ({} for a dense model); moves the sigmoid router's bias
         self.moe_stats = moe_statistics(s.parts, s.config.model, s.spec.num_micro_batches,
                                         dist.get_world_size() if dist.is_initialized() else 1, s.dims.dp, s.device)
@@ -195,26 +202,51 @@ class TrainLoop:
         self.meter.since += time.perf_counter() - start  # step time and throughput count training only
 
     def log_metrics(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
-        c = self.setup.config
-        if step % c.logging.log_every and step != c.train.steps and not self.evaluation:
+        c, guard = self.setup.config, self.guard
+        if guard.skipped:  # a skipped step is always logged, and said once on the console
+            self.progress.write(f"parallel3d: step {step} skipped: {guard.reason} (train.on_bad_step=skip; "
+                                f"{guard.skipped_steps} skipped so far)")
+        elif step % c.logging.log_every and step != c.train.steps and not self.evaluation:
             return
         loss_value, norm_value = global_loss(self.setup.meshes, loss_sum), grad_norm.item()
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            self.progress.close()  # end the bar's line before the error message
-            raise TrainingDiverged(f"loss is {loss_value} (grad norm {norm_value}) at step {step}: training "
-                                   f"diverged. Lower optim.lr, raise optim.warmup_steps or set train.grad_clip")
         self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read(step),
+                         "skipped": guard.skipped, "skipped_steps": guard.skipped_steps,
                          **self.sampler.tokens_consumed(step), **self.evaluation, **self.moe_stats})
 
     def save_checkpoint(self, step: int, *_, force: bool = False) -> None:
         c = self.setup.config
         every = c.checkpoint.every
+        if self.guard.skipped and not force and step != c.train.steps:
+            return  # a rollback's target must come from before a run of bad steps
         if force or (every and (step % every == 0 or step == c.train.steps)):
             layout = {**self.setup.dims.sizes(), "zero_stage": c.parallel.zero_stage,
                       "pp_schedule": c.parallel.pp_schedule}
             self.checkpointer.save(step, self.state, {"samples_seen": self.sampler.samples_seen(step), "layout": layout,
                                                       "global_batch_size": c.train.global_batch_size,
-                                                      "tokenizer": self.tokenizer}, self.config_yaml)
+                                                      "tokenizer": self.tokenizer, "guard": self.guard.state_dict()}, self.config_yaml)
+
+    def roll_back(self, step: int) -> int:
+        """After train.max_bad_steps bad steps in a row up to ``step``: the newest checkpoint's state,
+        and from its step on the data after ``step`` (the data position is saved with the next
+        checkpoint, the rollback in its meta.json: a resume continues the same tokens). Returns the
+        checkpoint's step; raises TrainingDiverged when there is none, or it was rolled back to before."""
+        c = self.setup.config
+        self.batches.close()
+        self.checkpointer.wait()
+        path = pick_checkpoint(self.checkpointer.root, "auto", announce=rank() == 0)
+        meta = self.checkpointer.load(path, self.state) if path is not None else None
+        if meta is None or meta["model_only"]:
+            raise TrainingDiverged(f"{self.guard.max_bad_steps} bad steps in a row up to step {step} "
+                                   f"({self.guard.reason}) and no checkpoint of this run to roll back to: training "
+                                   f"diverged. Set checkpoint.every to roll back, or lower optim.lr")
+        to_step = meta["step"]
+        line = self.guard.rolled_back(at_step=step, to_step=to_step, global_batch_size=c.train.global_batch_size)
+        self.sampler.offset = self.sampler.samples_seen(step) - to_step * c.train.global_batch_size
+        self.logger.rewind(to_step)
+        self.progress.update(to_step)
+        self.progress.write(line)
+        self.batches = Prefetcher(self.sampler, to_step + 1, c.train.steps)
+        return to_step
 
 
 def global_loss(meshes, loss_sum: torch.Tensor) -> float:
@@ -228,8 +260,9 @@ def global_loss(meshes, loss_sum: torch.Tensor) -> float:
 
 
 def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool,
-            config_yaml: str) -> tuple[int, int]:
-    """Resume (or load initial weights) as checkpoint.* says: the step done, and the data offset."""
+            config_yaml: str, guard: BadStepGuard) -> tuple[int, int]:
+    """Resume (or load initial weights) as checkpoint.* says: the step done, and the data offset
+    (which includes any data a rollback skipped). ``guard`` gets the saved bad-step counts."""
     for path in checkpointer.remove_incomplete():
         print(f"parallel3d: removed incomplete checkpoint {path} (a save that did not finish)", flush=True)
     path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=is_rank0)
@@ -246,6 +279,7 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
                       f"(raise train.steps to continue it)", flush=True)
         if meta["model_only"]:  # a seed checkpoint: its weights, then a fresh start
             return 0, 0
+        guard.load_state_dict(meta.get("guard", {}))
         return meta["step"], meta["samples_seen"] - meta["step"] * c.train.global_batch_size
     if c.checkpoint.init_from:
         init_from = Path(c.checkpoint.init_from).expanduser()
@@ -292,7 +326,7 @@ def run_job(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # a second Ctrl-C
         sys.exit(EXIT_INTERRUPTED)
     except Exception as e:
-        report_failure(e, _known_run_dir(cfg), rank())
+        report_failure(watchdog.explain(e), _known_run_dir(cfg), rank())  # a hang: names the rank
         if rank() != 0:
             time.sleep(2)
         sys.exit(EXIT_FAILED)
@@ -300,6 +334,7 @@ def run_job(cfg: DictConfig) -> None:
         if dist.is_initialized():
             dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
+        watchdog.stop()
         release_run_dir(_known_run_dir(cfg))
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -23,6 +23,7 @@ from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device, world
 from parallel3d.checkpoint import find_checkpoint
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer
+from parallel3d.guard import check_bad_step_config
 from parallel3d.optim import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
 from parallel3d.optim import LR_SCHEDULES
 from parallel3d.parallel.activation import AC_MODES
@@ -76,6 +77,7 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_data_parallel(cfg.parallel, cfg.train, device)
     check_float8(cfg.train, cfg.parallel)
     _check_batch(cfg.train, cfg.parallel, cfg.model)
+    check_bad_step_config(cfg.train, cfg.debug)
     _check_pipeline(cfg.parallel, cfg.train, cfg.model)
     _check_context(cfg.parallel, cfg.train, cfg.model)
     _check_optim(cfg.optim, cfg.train.steps)

@@ -1,0 +1,112 @@
+"""Hangs named (parallel3d/watchdog.py): a stopped rank is named, with the step, and every rank's
+Python stack lands in run_dir/logs.
+
+The end-to-end test SIGSTOPs rank 1 of a 2-rank torchrun job, as a frozen machine would be; rank 0's
+collective times out after train.dist_timeout_s and its one line names rank 1. A stopped process
+cannot dump its own stack, so the test lets it run again (SIGCONT) once rank 0 has gone: its
+watchdog then sees its own freeze and dumps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import env
+from parallel3d.watchdog import Hang, describe
+
+TIMEOUT_S = 10
+STACKS = "Python stacks of every thread"
+
+
+def test_describe_names_silent_late_and_frozen_ranks():
+    assert describe(Hang(7, "all_reduce called from parallel3d/guard.py:97 (update_allowed)", [1], {1: 6}), 0) == (
+        "rank 1 (last seen at step 6) stopped answering (no heartbeat) while rank 0 waited at step 7 in all_reduce "
+        "called from parallel3d/guard.py:97 (update_allowed)")
+    assert describe(Hang(7, "", [], {0: 7, 1: 5, 2: 5}), 0).startswith("ranks 1, 2 are alive but still at step 5")
+    assert "did not run for 12 s" in describe(Hang(7, "", [0], {}, frozen_s=12.3), 1)
+    assert "every rank is alive at step 7" in describe(Hang(7, "", [], {0: 7, 1: 7}), 0)
+
+
+def _workers(root_pid: int) -> dict[int, int]:
+    """rank -> pid of torchrun's workers (processes whose environment has RANK)."""
+    found, todo = {}, [root_pid]
+    while todo:
+        pid = todo.pop()
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except OSError:
+                pass
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), None)
+        if rank is not None and pid != root_pid:
+            found[rank] = pid
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def _wait(condition, timeout_s: float, what: str, log: Path) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"timed out waiting for {what}\n{log.read_text()[-4000:]}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_is_named_and_every_stack_is_logged(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "parallel3d.train", f"run_dir={run_dir}", "train.steps=100000", "train.seq_len=32",
+           "train.global_batch_size=4", "train.micro_batch_size=2", "parallel.dp_shard=2",
+           f"train.dist_timeout_s={TIMEOUT_S}"]
+    with open(log, "w") as out:
+        job = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=out, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 180, "step 3", log)
+        workers = _workers(job.pid)
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped_after = json.loads(metrics.read_text().splitlines()[-1])["step"]
+        took = _wait(lambda: not _alive(workers[0]), TIMEOUT_S + 30, "rank 0 to give up", log)
+        assert took < TIMEOUT_S + 30
+        os.kill(workers[1], signal.SIGCONT)  # as a frozen machine that comes back: now it can dump
+        _wait(lambda: job.poll() is not None, 60, "torchrun to end", log)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    console = log.read_text()
+    lines = [line for line in console.splitlines() if line.startswith("parallel3d: error")]
+    assert len(lines) == 1, console[-4000:]
+    assert "rank 1 (last seen at step" in lines[0] and "stopped answering (no heartbeat) while rank 0 waited at step" \
+        in lines[0], lines[0]
+    step = int(lines[0].split("waited at step ")[1].split()[0])
+    assert stopped_after <= step <= stopped_after + 2, (stopped_after, lines[0])
+    assert " called from parallel3d/" in lines[0], lines[0]  # the collective it waited in, and our line under it
+    assert f"train.dist_timeout_s={TIMEOUT_S}" in lines[0] and "rank<N>.log" in lines[0]
+    for rank in (0, 1):
+        text = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        dumped_at = [int(m) for m in re.findall(rf"parallel3d watchdog: rank {rank} at step (\d+)", text)]
+        assert dumped_at and step - 1 <= dumped_at[0] <= step, f"rank {rank}:\n{text[-3000:]}"
+        assert STACKS in text and "(most recent call first)" in text, f"rank {rank}:\n{text[-3000:]}"
+    assert "did not run for" in (run_dir / "logs" / "rank1.log").read_text()
