@@ -168,7 +168,7 @@ def test_model_state_bytes_equal_a_real_run(tmp_path):
 # Layouts of the tiny model: (world size, overrides, M = micro batches per rank, the per-step
 # payload rank 0 moves by (dim, kind), and what of it parallel3d/planner leaves out). Comments give
 # the reason for every byte beyond the textbook minimum; /tmp/p3d/dryrun_readme.md tabulates them.
-GRAD_NORM = N_TENSORS * F32  # clip_grad_norm_: one float per gradient tensor, summed over the shards
+GRAD_NORM = N_TENSORS * 8  # clip_grad_norm_: one float64 per gradient tensor, summed over the shards
 LAYOUTS = {
     # ZeRO-3: per micro batch, each block all-gathered in forward and again in backward, the root
     # (embedding, norm, output) once (FSDP keeps it gathered for the backward that follows), the
