@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -28,7 +29,7 @@ from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync
-from parallel3d.parallel.expert import configure_moe
+from parallel3d.parallel.expert import configure_moe, update_router_bias
 from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
 
@@ -116,9 +117,9 @@ def build_model(c: Config, meshes: Meshes, device: torch.device, microbatches: i
 
 def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro batches: forward and backward (through the pipeline
-    schedule under pp), the tied embeddings' gradient sum, global-norm clipping, optimizer and lr
-    steps. Returns (this rank's summed loss, the gradient norm); the gradients stay for the caller
-    to measure and zero."""
+    schedule under pp), the tied embeddings' gradient sum, global-norm clipping, the optimizer step,
+    the sigmoid MoE routers' bias step and the lr step. Returns (this rank's summed loss, the
+    gradient norm); the gradients stay for the caller to measure and zero."""
     s, c = setup, setup.config
     # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
     # backward are computed on the shards.
@@ -140,6 +141,9 @@ def train_step(setup: Setup, micro_batches: MicroBatches) -> tuple[torch.Tensor,
     grad_norm = clip_grad_norm_(params, c.train.grad_clip, uncounted=s.tied.output_copies if s.tied else (),
                                 pp_group=s.meshes.pp.get_group() if s.meshes.pp is not None else None)
     s.optimizer.step()
+    # Sigmoid MoE routers: the bias that steers expert choice moves by this step's load.
+    update_router_bias(s.parts, c.model, micro_batches=len(micro_batches), device=s.device,
+                       world_group_size=dist.get_world_size() if dist.is_initialized() else 1)
     if c.train.float8_fsdp_all_gather:  # the next all-gathers' float8 scales, in one all-reduce
         precompute_float8_scales([s.model])
     s.scheduler.step()
