@@ -58,12 +58,27 @@ def is_single_stage(schedule: str) -> bool:
     return issubclass(SCHEDULES[schedule], PipelineScheduleSingle)
 
 
-def stages_per_rank(schedule: str, configured: int | None) -> int:
+def fixed_stages_per_rank(schedule: str) -> int | None:
+    """The stages each pp rank runs where the schedule fixes it (1, or 2 for a V); None: looped, any."""
     if is_single_stage(schedule):
         return 1
-    if schedule in V_SCHEDULES:
-        return 2
-    return configured or 2
+    return 2 if schedule in V_SCHEDULES else None
+
+
+def stages_per_rank(schedule: str, configured: int | None) -> int:
+    return fixed_stages_per_rank(schedule) or configured or 2
+
+
+def min_microbatches(schedule: str, pp: int, num_stages: int) -> int:
+    """The fewest microbatches per schedule step ``schedule`` runs: GPipe any number, DualPipeV one
+    per stage (torch refuses fewer), the others one per pp rank (fewer leave a rank idle throughout)."""
+    return {"GPipe": 1, "DualPipeV": num_stages}.get(schedule, pp)
+
+
+def fits_rounds(schedule: str, pp: int, microbatches: int) -> bool:
+    """Multi-stage schedules run microbatches in rounds of about ``pp``: torch's looped schedules
+    refuse a count that is not a multiple of their number of rounds, max(1, microbatches // pp)."""
+    return is_single_stage(schedule) or microbatches % max(1, microbatches // pp) == 0
 
 
 def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
