@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from conftest import prefetch_selected, relative_error
 from parallel3d.config import DataConfig, EvalConfig, compose
 from parallel3d.data import load_tokenizer, open_eval_corpus, text_files, write_token_file
-from parallel3d.evaluate import Evaluator, stage_owners
+from parallel3d.evaluate import Evaluator
 from parallel3d.data import BatchSpec
 from parallel3d.validate import ConfigError, check
 
@@ -42,12 +42,6 @@ def test_eval_is_due_every_n_steps_and_at_the_last(token_files):
     assert [s for s in range(1, 11) if Evaluator(tokens, spec, 0, EvalConfig(every=4), 10).due(s)] == [4, 8, 10]
     assert [s for s in range(1, 11) if Evaluator(tokens, spec, 0, EvalConfig(every=0), 10).due(s)] == [10]
     assert open_eval_corpus(DataConfig(), EvalConfig()) is None
-
-
-def test_stage_owners():
-    assert stage_owners("1F1B", 4, 1) == [0, 1, 2, 3]
-    assert stage_owners("Interleaved1F1B", 2, 2) == [0, 1, 0, 1]
-    assert stage_owners("ZBVZeroBubble", 2, 2) == [0, 1, 1, 0]
 
 
 @pytest.mark.parametrize("key, value", [("eval.batches", 0), ("eval.every", -1), ("eval.sources", "[/no/such.bin]")])
