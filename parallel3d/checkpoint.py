@@ -142,17 +142,6 @@ class Checkpointer:
         self._barrier()
         return removed
 
-    def resume_from(self) -> Path | None:
-        """The checkpoint ``checkpoint.resume`` names: auto, none, or a path."""
-        if self.cfg.resume == "none":
-            return None
-        if self.cfg.resume == "auto":
-            return find_checkpoint(self.root)
-        found = find_checkpoint(Path(self.cfg.resume).expanduser())
-        if found is None:
-            raise FileNotFoundError(f"checkpoint.resume={self.cfg.resume}: no complete checkpoint there")
-        return found
-
     # -- saving ---------------------------------------------------------------------------
 
     def save(self, step: int, state: TrainState, meta: dict, config_yaml: str) -> None:

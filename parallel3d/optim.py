@@ -121,7 +121,8 @@ def settle_gradients(params) -> None:
 
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, pp_group=None, uncounted=()) -> torch.Tensor:
-    """Clip to a global norm over every shard of every gradient; returns the norm before clipping.
+    """Clip to a global norm over every shard of every gradient; returns the norm before clipping
+    (float64: see :func:`total_norm`).
 
     Sharded (DTensor) gradients give a partial norm per rank; ``full_tensor()`` reduces it over
     the mesh, so each rank clips by the same, global, value. (A rank's gradients are all DTensors
@@ -134,7 +135,7 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None, uncounted=()) -> tor
     skip = {id(p) for p in uncounted}
     # DTensor ops take one mesh: expert-parallel experts live on the ep mesh, the rest on the dp one.
     by_mesh = _by_mesh([p for p in with_grad if id(p) not in skip])
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh]
+    norms = [total_norm([p.grad for p in group]) for group in by_mesh]
     norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
     norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if pp_group is not None:  # each pipeline rank holds other layers: add their squares
@@ -145,6 +146,18 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None, uncounted=()) -> tor
         for group in _by_mesh(with_grad):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` as one vector, accumulated in float64 (a DTensor's: partial per rank).
+
+    torch's ``get_total_norm`` sums the per-tensor norms in the gradients' dtype: in float32 its
+    rounding depends on how many terms each rank sums, so layouts would clip by norms a few ulps
+    apart, which AdamW at a small eps amplifies after a loss spike. In float64 every layout's norm
+    agrees to float32 rounding."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)))
 
 
 def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -29,7 +30,7 @@ from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync
-from parallel3d.parallel.expert import configure_moe
+from parallel3d.parallel.expert import configure_moe, update_router_bias
 from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
 
@@ -118,9 +119,10 @@ def build_model(c: Config, meshes: Meshes, device: torch.device, microbatches: i
 def train_step(setup: Setup, micro_batches: MicroBatches, *,
                guard: BadStepGuard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro batches: forward and backward (through the pipeline
-    schedule under pp), the tied embeddings' gradient sum, global-norm clipping, optimizer and lr
-    steps. ``guard`` decides with every rank, before the optimizer, whether the update happens (a
-    bad step: none on any rank; the lr schedule advances). Returns (this rank's summed loss, the
+    schedule under pp), the tied embeddings' gradient sum, global-norm clipping, the optimizer step,
+    the sigmoid MoE routers' bias step and the lr step. ``guard`` decides with every rank, before the
+    optimizer, whether the update happens (a bad step: no optimizer or bias step on any rank; the lr
+    schedule advances). Returns (this rank's summed loss, the
     gradient norm); the gradients stay for the caller to measure and zero."""
     s, c = setup, setup.config
     # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
@@ -146,6 +148,9 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *,
                                 pp_group=s.meshes.pp.get_group() if s.meshes.pp is not None else None)
     if guard is None or guard.update_allowed(loss_sum, grad_norm):
         s.optimizer.step()
+        # Sigmoid MoE routers: the bias that steers expert choice moves by this step's load.
+        update_router_bias(s.parts, c.model, micro_batches=len(micro_batches), device=s.device,
+                           world_group_size=dist.get_world_size() if dist.is_initialized() else 1)
         if c.train.float8_fsdp_all_gather:  # the next all-gathers' float8 scales, in one all-reduce
             precompute_float8_scales([s.model])
     s.scheduler.step()

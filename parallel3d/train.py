@@ -185,7 +185,7 @@ class TrainLoop:
         self.meter.start()
         self.guard.begin(step)
         loss_sum, grad_norm = train_step(self.setup, micro_batches, guard=self.guard)  # the guard may skip the update
-        s = self.setup  # aux_loss and expert load ({} for a dense model); moves the sigmoid router's bias
+        s = self.setup  # aux_loss and expert load ({} for a dense model)
         self.moe_stats = moe_statistics(s.parts, s.config.model, s.spec.num_micro_batches,
                                         dist.get_world_size() if dist.is_initialized() else 1, s.dims.dp, s.device)
         self.meter.stepped(waited)  # measures the model state while the gradients still exist

@@ -30,7 +30,8 @@ from parallel3d.parallel.activation import AC_MODES
 from parallel3d.parallel.expert import check_experts
 from parallel3d.parallel.float8 import check_float8
 from parallel3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from parallel3d.parallel.pipeline import V_SCHEDULES, is_single_stage, layer_split, stages_per_rank
+from parallel3d.parallel.pipeline import (fits_rounds, fixed_stages_per_rank, layer_split, min_microbatches,
+                                         stages_per_rank)
 
 # Re-exported: callers written before parallel3d.base import these names from here.
 __all__ = ["ConfigError", "DTYPES", "check", "divisors", "resolve", "resolve_device", "world_size_from_env"]
@@ -227,7 +228,7 @@ def _check_pipeline(p, t, m) -> None:
         return
     name = p.pp_schedule
     if p.pp_stages_per_rank is not None:
-        wanted = 1 if is_single_stage(name) else 2 if name in V_SCHEDULES else None
+        wanted = fixed_stages_per_rank(name)
         if p.pp_stages_per_rank < 1 or (wanted and p.pp_stages_per_rank != wanted):
             raise ConfigError("parallel.pp_stages_per_rank", p.pp_stages_per_rank,
                               f"parallel.pp_schedule={name} runs {wanted or 'one or more'} stage(s) per rank",
@@ -253,13 +254,12 @@ def _check_pipeline(p, t, m) -> None:
     if micro_batches % n:
         raise ConfigError("parallel.pp_microbatches", n, f"does not divide the {micro_batches} micro batches of "
                           f"a rank (global batch / dp / micro batch)", f"use a divisor of {micro_batches}")
-    needed = {"GPipe": 1, "DualPipeV": stages}.get(name, p.pp)
+    needed = min_microbatches(name, p.pp, stages)
     if n < needed:
         raise ConfigError("parallel.pp_microbatches", n, f"parallel.pp_schedule={name} needs at least {needed} "
                           f"microbatches per step", f"raise train.global_batch_size or lower train.micro_batch_size "
                           f"so each rank has {needed} or more")
-    rounds = max(1, n // p.pp)
-    if not is_single_stage(name) and n % rounds:
+    if not fits_rounds(name, p.pp, n):
         raise ConfigError("parallel.pp_microbatches", n, f"{name} runs microbatches in rounds of "
                           f"parallel.pp={p.pp}", f"use a multiple of {p.pp}")
 

@@ -95,19 +95,54 @@ def launch_batch(root: Path, layouts: dict[str, list[str]], nproc: int) -> dict[
     return runs
 
 
+@dataclass(frozen=True)
+class Layout:
+    """One layout of a parity matrix: ``nproc`` ranks train with ``overrides`` into the run named
+    ``name``; ``tied``: with tied embeddings (compared with the tied one-process run)."""
+
+    name: str
+    nproc: int
+    overrides: tuple[str, ...]
+    tied: bool = False
+
+    def __str__(self) -> str:  # the test id
+        return self.name
+
+
+def layouts(table: dict[str, tuple]) -> list[Layout]:
+    """Layouts from a table ``{name: (ranks, overrides)}`` or ``{name: (ranks, overrides, tied)}``."""
+    return [Layout(name, nproc, tuple(overrides), *tied) for name, (nproc, overrides, *tied) in table.items()]
+
+
+def assert_matches(reference: Run, run: Run, *, rel: float = 1e-5, metrics: tuple[str, ...] = ("loss", "grad_norm"),
+                   weights: bool = False) -> None:
+    """``run`` computed what ``reference`` did: each of ``metrics``, over the logged rows that carry
+    it, within relative ``rel``; with ``weights``, the final weights (model.safetensors) within
+    ``rel`` relative and absolute."""
+    for key in metrics:
+        got, want = [r[key] for r in run.metrics if key in r], [r[key] for r in reference.metrics if key in r]
+        assert relative_error(got, want) < rel, (key, run.run_dir.name, got, want)
+    if weights:
+        from safetensors.torch import load_file
+        import torch
+
+        torch.testing.assert_close(load_file(str(run.run_dir / "model.safetensors")),
+                                   load_file(str(reference.run_dir / "model.safetensors")), rtol=rel, atol=rel)
+
+
 def selected_params(request, param: str = "name") -> set:
     """The values of ``param`` in this module's tests that pytest will run (after -k, --lf, ...)."""
     return {item.callspec.params[param] for item in request.session.items
             if item.module is request.module and param in getattr(getattr(item, "callspec", None), "params", {})}
 
 
-def prefetch_selected(request, parity: Parity, layouts: dict, param: str = "name", prefix: str = "",
+def prefetch_selected(request, parity: Parity, layouts: list[Layout], param: str = "layout", prefix: str = "",
                       extra: list[str] = ()) -> None:
-    """Batch the layouts of this module's tests that will run: ``layouts`` maps a test's ``param``
-    value to (ranks, overrides, ...); the runs are named ``prefix + name`` with ``extra`` overrides first."""
-    wanted = selected_params(request, param)
-    parity.prefetch({prefix + name: (nproc, [*extra, *overrides])
-                     for name, (nproc, overrides, *_) in layouts.items() if name in wanted})
+    """Batch the layouts of this module's tests that will run (those whose ``param``, a Layout or
+    its name, is selected); the runs are named ``prefix + name`` with ``extra`` overrides first."""
+    wanted = {str(value) for value in selected_params(request, param)}
+    parity.prefetch({prefix + layout.name: (layout.nproc, [*extra, *layout.overrides])
+                     for layout in layouts if layout.name in wanted})
 
 
 # The files that take longest (a 2-core run, README "Tests"). pytest-xdist hands whole files to its
@@ -167,6 +202,10 @@ class Parity:
             self.checked.add(name)
         return run
 
+    def train(self, layout: Layout, prefix: str = "", extra: list[str] = ()) -> Run:
+        """``layout``'s run (named ``prefix + name``, ``extra`` overrides first), checked as ``run`` does."""
+        return self.run(prefix + layout.name, layout.nproc, [*extra, *layout.overrides])
+
     def prefetch(self, layouts: dict[str, tuple[int, list[str]]]) -> None:
         """Train the layouts not yet run in one launch per rank count (see tests/layout_batch.py);
         ``run`` then finds them, or launches on its own any that failed in a batch."""
@@ -196,16 +235,7 @@ class Parity:
 
     def assert_same_training(self, run: Run, tied: bool = False) -> None:
         """Per-step losses and grad norms within relative 1e-5, final weights within 1e-5."""
-        from safetensors.torch import load_file
-        import torch
-
-        reference = self.reference(tied)
-        assert relative_error(run.losses, reference.losses) < 1e-5, (run.losses, reference.losses)
-        norms = [r["grad_norm"] for r in run.metrics]
-        assert relative_error(norms, [r["grad_norm"] for r in reference.metrics]) < 1e-5
-        weights = load_file(str(run.run_dir / "model.safetensors"))
-        torch.testing.assert_close(weights, load_file(str(reference.run_dir / "model.safetensors")),
-                                   rtol=1e-5, atol=1e-5)
+        assert_matches(self.reference(tied), run, rel=1e-5, weights=True)
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,12 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FAST, Run, launch, launch_batch, relative_error, selected_params
+from parallel3d.base import RunError
 from parallel3d.checkpoint import COMPLETE, Checkpointer, TrainState, complete_steps, find_checkpoint
 from parallel3d.config import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
 from parallel3d.optim import build_lr_scheduler
+from parallel3d.resume import pick_checkpoint
 
 SAVE = [*FAST, "checkpoint.every=5", "train.save_model=true"]
 DP2_TP2 = ["parallel.dp_shard=2", "parallel.tp=2"]
@@ -251,7 +253,7 @@ def test_incomplete_checkpoints_are_ignored_then_removed(tmp_path):
     shutil.copytree(tmp_path / "checkpoints" / "step_2", partial)
     (partial / COMPLETE).unlink()  # killed before its marker was written
     assert find_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_2"
-    assert ckpt.resume_from() == tmp_path / "checkpoints" / "step_2"
+    assert pick_checkpoint(ckpt.root, "auto", announce=False) == tmp_path / "checkpoints" / "step_2"
     ckpt.remove_incomplete()
     assert not partial.exists() and (tmp_path / "checkpoints" / "step_2").exists()
 
@@ -269,10 +271,10 @@ def test_resume_takes_a_step_folder_a_checkpoints_folder_or_a_run_dir(tmp_path):
     _checkpointer(tmp_path / "run", every=1).save(3, state, {"samples_seen": 0}, "")
     step3 = tmp_path / "run" / "checkpoints" / "step_3"
     for given in (step3, step3.parent, tmp_path / "run"):
-        assert _checkpointer(tmp_path / "other", resume=str(given)).resume_from() == step3
-    assert _checkpointer(tmp_path / "run", resume="none").resume_from() is None
-    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
-        _checkpointer(tmp_path / "other", resume=str(tmp_path / "missing")).resume_from()
+        assert pick_checkpoint(tmp_path / "other" / "checkpoints", str(given), announce=False) == step3
+    assert pick_checkpoint(step3.parent, "none", announce=False) is None
+    with pytest.raises(RunError, match="no complete checkpoint"):
+        pick_checkpoint(tmp_path / "other" / "checkpoints", str(tmp_path / "missing"), announce=False)
 
 
 def test_optimizer_state_is_named_by_parameter_whatever_the_group_order():

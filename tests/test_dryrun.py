@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import bench_memory  # noqa: E402
 
 F32 = 4
+F64 = 8  # the gradient norm is summed in float64 (optim.total_norm)
 TINY = ModelConfig()  # the tiny model of the tiny_cpu recipes, float32 throughout
 B, S, D, L = 2, 128, TINY.dim, TINY.n_layers  # tiny_cpu: micro batch 2, sequence 128
 ACT = B * S * D * F32  # one micro batch's hidden states, whole sequence
@@ -168,7 +169,7 @@ def test_model_state_bytes_equal_a_real_run(tmp_path):
 # Layouts of the tiny model: (world size, overrides, M = micro batches per rank, the per-step
 # payload rank 0 moves by (dim, kind), and what of it parallel3d/planner leaves out). Comments give
 # the reason for every byte beyond the textbook minimum; /tmp/p3d/dryrun_readme.md tabulates them.
-GRAD_NORM = N_TENSORS * F32  # clip_grad_norm_: one float per gradient tensor, summed over the shards
+GRAD_NORM = N_TENSORS * F64  # clip_grad_norm_: one float64 per gradient tensor, summed over the shards
 LAYOUTS = {
     # ZeRO-3: per micro batch, each block all-gathered in forward and again in backward, the root
     # (embedding, norm, output) once (FSDP keeps it gathered for the backward that follows), the
@@ -238,8 +239,8 @@ LAYOUTS = {
     # 1F1B: stage 0 sends each micro batch's hidden states and receives their gradients; the
     # grad norm sums its square over pp (one float).
     "pp_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B", "train.global_batch_size=4"], 2, lambda M: {
-        ("pp", "send"): M * ACT, ("pp", "recv"): M * ACT, ("pp", "all_reduce"): F32},
-        lambda M: {("pp", "all_reduce"): F32}),
+        ("pp", "send"): M * ACT, ("pp", "recv"): M * ACT, ("pp", "all_reduce"): F64},
+        lambda M: {("pp", "all_reduce"): F64}),
     # Context parallelism (parallel/context.py), cp=2 over the sequence (FSDP shards over cp: the
     # ZeRO-3 pattern on the "cp" group). alltoall, per block and micro batch: q and the output
     # (B*S/2*D each) and k, v (kv heads 2, already a multiple of cp: B*S/2*D/2 each) exchanged once
@@ -329,13 +330,13 @@ def test_comm_bytes_3d(three_d):
         # gathered, and gradients unreduced, until its last backward: one gather and one
         # reduce-scatter per schedule step (one here).
         ("dp_shard", "all_gather"): local, ("dp_shard", "reduce_scatter"): local,
-        ("dp_shard", "all_reduce"): n_tensors * F32,
+        ("dp_shard", "all_reduce"): n_tensors * F64,
         # The embedding's all-to-all each way, an all-gather on gloo (see tp_sp).
         ("tp", "all_gather"): M * (4 * blocks + 2) * ACT, ("tp", "reduce_scatter"): M * 4 * blocks * ACT,
-        ("tp", "all_reduce"): norms * D * F32 + n_tensors * F32,
+        ("tp", "all_reduce"): norms * D * F32 + n_tensors * F64,
         # Stage 0 sends activations to stage 1, stage 2 to 3 and gradients to 1 (and receives as
         # many): 3 per micro batch, each 1/tp of the sequence under sequence parallelism.
-        ("pp", "send"): 3 * M * ACT // tp, ("pp", "recv"): 3 * M * ACT // tp, ("pp", "all_reduce"): F32,
+        ("pp", "send"): 3 * M * ACT // tp, ("pp", "recv"): 3 * M * ACT // tp, ("pp", "all_reduce"): F64,
     }
 
 
@@ -353,9 +354,9 @@ def _planner_3d(three_d, zero_stage: int) -> tuple[dict, dict]:
     overrides = [*THREE_D, f"parallel.zero_stage={zero_stage}"]
     reports = three_d if zero_stage == 3 else dry_run(overrides, 8)
     r = reports[1]  # stages 1 and 3 (loss parallel): the rank the planner reports, the busiest
-    scalars = 20 * F32  # the grad norm of 20 gradient tensors, over dp_shard and over tp
+    scalars = 20 * F64  # the grad norm of 20 gradient tensors, over dp_shard and over tp
     view = planner_view(r, {("dp_shard", "all_reduce"): scalars, ("tp", "all_reduce"): scalars,
-                            ("pp", "all_reduce"): F32}, zero_stage)
+                            ("pp", "all_reduce"): F64}, zero_stage)
     return view, plan_of(overrides, 8)
 
 

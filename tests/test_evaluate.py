@@ -9,13 +9,12 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
-from conftest import prefetch_selected, relative_error
+from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from parallel3d.config import DataConfig, EvalConfig, compose
 from parallel3d.data import load_tokenizer, open_eval_corpus, text_files, write_token_file
-from parallel3d.evaluate import Evaluator, stage_owners
+from parallel3d.evaluate import Evaluator
 from parallel3d.data import BatchSpec
 from parallel3d.validate import ConfigError, check
 
@@ -44,12 +43,6 @@ def test_eval_is_due_every_n_steps_and_at_the_last(token_files):
     assert open_eval_corpus(DataConfig(), EvalConfig()) is None
 
 
-def test_stage_owners():
-    assert stage_owners("1F1B", 4, 1) == [0, 1, 2, 3]
-    assert stage_owners("Interleaved1F1B", 2, 2) == [0, 1, 0, 1]
-    assert stage_owners("ZBVZeroBubble", 2, 2) == [0, 1, 1, 0]
-
-
 @pytest.mark.parametrize("key, value", [("eval.batches", 0), ("eval.every", -1), ("eval.sources", "[/no/such.bin]")])
 def test_eval_keys_are_validated(key, value):
     with pytest.raises(ConfigError, match=rf"^{key}=") as error:
@@ -57,7 +50,7 @@ def test_eval_keys_are_validated(key, value):
     assert "Fix:" in str(error.value) and "\n" not in str(error.value)
 
 
-LAYOUTS = {  # name: (ranks, overrides); micro batches as large as the layout allows (fewer collectives)
+LAYOUTS = layouts({  # name: (ranks, overrides); micro batches as large as the layout allows (fewer collectives)
     "dp2": (2, ["parallel.dp_shard=2", "train.micro_batch_size=8"]),
     "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=16"]),
     "pp2-1F1B": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B", "train.micro_batch_size=4"]),
@@ -68,7 +61,7 @@ LAYOUTS = {  # name: (ranks, overrides); micro batches as large as the layout al
     "cp2-ring": (2, ["parallel.cp=2", "parallel.cp_method=ring", "train.micro_batch_size=16"]),
     "cp2-tp2-pp2-alltoall": (8, ["parallel.cp=2", "parallel.cp_method=alltoall", "parallel.tp=2", "parallel.pp=2",
                                  "train.micro_batch_size=4"]),
-}
+})
 
 
 def document_overrides(token_files) -> list[str]:
@@ -80,7 +73,7 @@ def document_overrides(token_files) -> list[str]:
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request, token_files):
     """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS, param="layout", prefix="documents-",
+    prefetch_selected(request, parity, LAYOUTS, prefix="documents-",
                       extra=document_overrides(token_files))
 
 
@@ -107,15 +100,8 @@ def test_document_masking_changes_training(documents_reference, token_files, par
     assert relative_error(documents_reference.losses, plain.losses) > 1e-3
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_layouts_train_and_evaluate_alike(layout, documents_reference, token_files, parity):
-    from safetensors.torch import load_file
-
-    nproc, overrides = LAYOUTS[layout]
-    run = parity.run(f"documents-{layout}", nproc, [*document_overrides(token_files), *overrides])
-    assert relative_error(run.losses, documents_reference.losses) < 1e-5, (run.losses, documents_reference.losses)
-    val = [r["val_loss"] for r in run.metrics if "val_loss" in r]
-    reference_val = [r["val_loss"] for r in documents_reference.metrics if "val_loss" in r]
-    assert len(val) == 2 and relative_error(val, reference_val) < 1e-5, (val, reference_val)
-    torch.testing.assert_close(load_file(str(run.run_dir / "model.safetensors")),
-                               load_file(str(documents_reference.run_dir / "model.safetensors")), rtol=1e-5, atol=1e-5)
+    run = parity.train(layout, prefix="documents-", extra=document_overrides(token_files))
+    assert len([r for r in run.metrics if "val_loss" in r]) == 2
+    assert_matches(documents_reference, run, rel=1e-5, metrics=("loss", "val_loss"), weights=True)

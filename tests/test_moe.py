@@ -31,6 +31,11 @@ def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return model
 
 
+def tokens(layer: MoE) -> torch.Tensor:
+    """Token copies per expert over every training forward since the last reset."""
+    return layer.step_stats(len(layer.forward_stats))[0]
+
+
 def per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Each token through its top-k experts one at a time: what the sorted, grouped path must equal."""
     flat = x.reshape(-1, x.shape[-1])
@@ -80,8 +85,9 @@ def test_aux_loss_value_and_gradient_join_the_loss():
     _, chosen, scores = layer.router(x.reshape(-1, 32))
     counts = F.one_hot(chosen.view(2, -1), 4).sum(1).float()
     expected = 0.5 * ((4 / (2 * 8)) * counts * scores.view(2, 8, 4).mean(1)).sum() / 4
-    torch.testing.assert_close(layer.aux_loss_sum.float(), expected.detach())
-    assert layer.tokens_per_expert.sum() == 2 * 8 * 2
+    _, aux = layer.step_stats(1)
+    torch.testing.assert_close(aux.float(), expected.detach())
+    assert tokens(layer).sum() == 2 * 8 * 2
 
     out.sum().backward()
     with_aux = layer.router.gate.weight.grad.clone()
@@ -99,7 +105,7 @@ def test_every_places_moe_blocks_and_checkpointing_counts_once():
     assert list(moe_layers(model)) == ["1", "3"]
     apply_activation_checkpointing(model, "full", 1)
     model(torch.randint(0, 64, (2, 8))).sum().backward()  # recomputed in backward: still counted once
-    assert all(layer.tokens_per_expert.sum() == 2 * 8 * 2 for layer in moe_layers(model).values())
+    assert all(tokens(layer).sum() == 2 * 8 * 2 for layer in moe_layers(model).values())
 
 
 def test_flops_count_active_experts_only():
@@ -136,17 +142,22 @@ def test_qk_norm_normalizes_each_head():
 def test_sigmoid_router_bias_moves_towards_even_load_and_is_checkpointed(tmp_path):
     from parallel3d.checkpoint import Checkpointer, TrainState
     from parallel3d.config import CheckpointConfig
-    from parallel3d.parallel.expert import moe_statistics
+    from parallel3d.parallel.expert import moe_statistics, update_router_bias
 
     cfg = tiny(router="sigmoid", bias_update_rate=0.01)
     model = build(cfg)
     model(torch.randint(0, 64, (2, 8)))
-    loads = {name: layer.tokens_per_expert.clone() for name, layer in moe_layers(model).items()}
-    stats = moe_statistics([model], cfg, micro_batches=1, world_group_size=1, dp=1, device=torch.device("cpu"))
-    assert stats["expert_load"] == [int(v) for v in sum(loads.values()).tolist()]
+    loads = {name: tokens(layer) for name, layer in moe_layers(model).items()}
+    update_router_bias([model], cfg, micro_batches=1, world_group_size=1, device=torch.device("cpu"))
     for name, layer in moe_layers(model).items():  # busier than the mean: down; idler: up
         expected = 0.01 * torch.sign(loads[name].mean() - loads[name]).float()
+        assert expected.abs().sum() > 0
         torch.testing.assert_close(layer.router.expert_bias, expected)
+    moved = {name: layer.router.expert_bias.clone() for name, layer in moe_layers(model).items()}
+    stats = moe_statistics([model], cfg, micro_batches=1, world_group_size=1, dp=1, device=torch.device("cpu"))
+    assert stats["expert_load"] == [int(v) for v in sum(loads.values()).tolist()]
+    for name, layer in moe_layers(model).items():  # metrics read the loads and leave the bias alone
+        assert torch.equal(layer.router.expert_bias, moved[name])
     checkpointer = Checkpointer(tmp_path, CheckpointConfig())
     checkpointer.save(1, TrainState([model]), {}, "model: {}\n")
     restored = build(cfg, seed=1)
@@ -155,13 +166,24 @@ def test_sigmoid_router_bias_moves_towards_even_load_and_is_checkpointed(tmp_pat
         assert torch.equal(layer.router.expert_bias, moe_layers(model)[name].router.expert_bias)
 
 
+def test_statistics_never_move_the_router_bias():
+    from parallel3d.parallel.expert import moe_statistics
+
+    cfg = tiny(router="sigmoid", bias_update_rate=0.01)
+    model = build(cfg)
+    for _ in range(3):
+        model(torch.randint(0, 64, (2, 8)))
+        moe_statistics([model], cfg, micro_batches=1, world_group_size=1, dp=1, device=torch.device("cpu"))
+    assert all(not layer.router.expert_bias.any() for layer in moe_layers(model).values())
+
+
 def test_capacity_factor_zero_or_ample_is_dropless():
     """capacity_factor=0 (the default) and a factor no expert reaches give the dropless result bit for bit."""
     x = torch.randn(2, 8, 32)
     dropless = build(tiny()).layers["0"].feed_forward
     ample = build(tiny(capacity_factor=4.0)).layers["0"].feed_forward  # capacity = all 32 copies
     assert torch.equal(ample(x), dropless(x))
-    assert ample.step_dropped(1) == 0 and torch.equal(ample.tokens_per_expert, dropless.tokens_per_expert)
+    assert ample.step_dropped(1) == 0 and torch.equal(tokens(ample), tokens(dropless))
 
 
 def test_within_capacity_keeps_the_highest_weights_and_the_earlier_token_on_ties():

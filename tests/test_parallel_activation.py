@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import prefetch_selected
+from conftest import layouts, prefetch_selected
 import torch
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
@@ -13,7 +13,7 @@ from parallel3d.models import Transformer
 from parallel3d.parallel.activation import apply_activation_checkpointing
 from parallel3d.validate import ConfigError, check
 
-LAYOUTS = {
+LAYOUTS = layouts({
     "dp2-zero3-ac-full": (2, ["parallel.zero_stage=3", "model.activation_checkpoint=full",
                               "train.micro_batch_size=4"]),
     "tp2-ac-selective": (2, ["parallel.tp=2", "model.activation_checkpoint=selective", "train.micro_batch_size=8"]),
@@ -25,20 +25,19 @@ LAYOUTS = {
     "compile": (1, ["model.compile=true", "train.micro_batch_size=8"]),
     "dp2-zero3-compile": (2, ["parallel.zero_stage=3", "model.compile=true", "train.micro_batch_size=8"]),
     "pp2-compile": (2, ["parallel.pp=2", "model.compile=true", "train.micro_batch_size=2"]),
-}
+})
 
 
-@pytest.mark.multirank
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_matches_single_process(name, parity):
-    nproc, overrides = LAYOUTS[name]
-    parity.assert_same_training(parity.run(name, nproc, overrides))
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_matches_single_process(layout, parity):
+    parity.assert_same_training(parity.train(layout))
 
 
 def _forward_backward(mode: str) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import os
 import socket
 
 import pytest
-from conftest import prefetch_selected
+from conftest import layouts, prefetch_selected
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -86,7 +86,7 @@ def test_cp_attention_matches_one_process_forward_and_backward(cp):
 
 
 # name: (ranks, overrides). Both methods where they run; DDP (zero_stage 0) must average over cp too.
-LAYOUTS = {
+LAYOUTS = layouts({
     "cp2-alltoall": (2, ["parallel.cp=2", "parallel.cp_method=alltoall", "train.micro_batch_size=8"]),
     "cp2-ring-ddp": (2, ["parallel.cp=2", "parallel.cp_method=ring", "parallel.zero_stage=0",
                          "train.micro_batch_size=4"]),
@@ -99,7 +99,7 @@ LAYOUTS = {
     "cp2-pp2-ring": (4, ["parallel.cp=2", "parallel.pp=2", "parallel.cp_method=ring", "train.micro_batch_size=4"]),
     "dp2-cp2-zero3-alltoall": (4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero_stage=3",
                                    "parallel.cp_method=alltoall", "train.micro_batch_size=4"]),
-}
+})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -109,11 +109,10 @@ def batched(parity, request):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_cp_layouts_train_like_one_process(name, parity):
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_cp_layouts_train_like_one_process(layout, parity):
     """Losses, grad norms and final weights within 1e-5 of one process; Parity.run also holds the
     planner's model-state bytes (FSDP over dp_shard x cp) to what the run measured."""
-    nproc, overrides = LAYOUTS[name]
-    run = parity.run(name, nproc, overrides)
+    run = parity.train(layout)
     parity.assert_same_training(run)
     assert "cp" in run.stdout, run.stdout[-500:]  # the banner names the mesh it ran on

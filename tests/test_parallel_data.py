@@ -7,7 +7,7 @@ Global batch 16 in every run; micro batches below the per-rank batch turn on acc
 from __future__ import annotations
 
 import pytest
-from conftest import prefetch_selected
+from conftest import layouts, prefetch_selected
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
@@ -21,7 +21,7 @@ from parallel3d.models import Transformer
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 
 # name: (ranks, overrides). Each ZeRO stage appears with and without gradient accumulation.
-LAYOUTS = {
+LAYOUTS = layouts({
     "dp2-zero0": (2, ["parallel.zero_stage=0", "train.micro_batch_size=8"]),
     "dp2-zero1-accum": (2, ["parallel.zero_stage=1", "train.micro_batch_size=4"]),
     "dp2-zero2": (2, ["parallel.zero_stage=2", "train.micro_batch_size=8"]),
@@ -36,7 +36,7 @@ LAYOUTS = {
     "dp2-zero3-prefetch2": (2, ["parallel.zero_stage=3", "parallel.fsdp_prefetch=2", "train.micro_batch_size=8"]),
     "dp2-zero3-sizewrap": (2, ["parallel.zero_stage=3", "parallel.fsdp_wrap=size", "parallel.fsdp_min_params=100000",
                                "train.micro_batch_size=8"]),
-}
+})
 
 @pytest.fixture
 def fake_world():
@@ -68,10 +68,9 @@ def batched(parity, request):
     prefetch_selected(request, parity, LAYOUTS, param="layout_run")
 
 
-@pytest.fixture(params=list(LAYOUTS))
+@pytest.fixture(params=LAYOUTS, ids=str)
 def layout_run(request, parity):
-    nproc, overrides = LAYOUTS[request.param]
-    return request.param, parity.run(request.param, nproc, overrides)
+    return request.param, parity.train(request.param)
 
 
 @pytest.mark.multirank
@@ -91,8 +90,8 @@ def _ideal(reference: dict, stage: int, dp: int, dp_shard: int) -> dict:
 
 @pytest.mark.multirank
 def test_model_state_memory_is_ideal_for_the_zero_stage(layout_run, reference_run):
-    name, run = layout_run
-    nproc, overrides = LAYOUTS[name]
+    layout, run = layout_run
+    name, nproc = layout.name, layout.nproc
     stage = 3 if "zero3" in name else int(name.split("zero")[1][0])
     dp_shard = nproc // 2 if name.startswith("hsdp") else nproc
     measured, reference = run.metrics[0], reference_run.metrics[0]

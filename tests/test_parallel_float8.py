@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from conftest import prefetch_selected, relative_error
+from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from parallel3d.config import compose
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.models import Transformer
@@ -181,13 +181,13 @@ def test_refused_when_torchao_is_missing(monkeypatch):
 
 
 # name: (ranks, overrides)
-LAYOUTS = {
+LAYOUTS = layouts({
     "float8": (1, [*FLOAT8, "train.micro_batch_size=16"]),
     "float8-zero3": (2, [*FLOAT8, "parallel.zero_stage=3", "train.float8_fsdp_all_gather=true",
                          "train.micro_batch_size=8"]),
     "float8-tp2": (2, [*FLOAT8, "parallel.tp=2", "train.micro_batch_size=16"]),
     "float8-pp2": (2, [*FLOAT8, "parallel.pp=2", "train.micro_batch_size=2"]),  # each stage converts its blocks
-}
+})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -197,14 +197,12 @@ def batched(parity, request):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_float8_tracks_bf16(name, parity):
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_float8_tracks_bf16(layout, parity):
     """Through parity.run, which also holds the planner's model-state bytes to the measured ones:
     float8 keeps float32 master weights, gradients and optimizer state, so the planner needs no change."""
     bf16 = parity.run("bf16", 1, ["train.param_dtype=bfloat16", "train.micro_batch_size=16"])
-    nproc, overrides = LAYOUTS[name]
-    run = parity.run(name, nproc, overrides)
-    error = relative_error(run.losses, bf16.losses)
-    assert error < TOLERANCE, (run.losses, bf16.losses)
-    if nproc == 1:  # the same code path as bf16 but for the float8 layers
-        assert error > 1e-4, (run.losses, bf16.losses)
+    run = parity.train(layout)
+    assert_matches(bf16, run, rel=TOLERANCE, metrics=("loss",))
+    if layout.nproc == 1:  # the same code path as bf16 but for the float8 layers
+        assert relative_error(run.losses, bf16.losses) > 1e-4, (run.losses, bf16.losses)

@@ -5,7 +5,7 @@ every ZeRO stage: tests/test_parallel_pipeline_zero.py.)"""
 from __future__ import annotations
 
 import pytest
-from conftest import prefetch_selected
+from conftest import layouts, prefetch_selected
 
 from parallel3d.config import compose
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stage_model
@@ -14,9 +14,9 @@ from parallel3d.validate import ConfigError, check
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 # name: (ranks, overrides). Global batch 16, micro batch 2: 8 microbatches per dp rank at dp 1.
-LAYOUTS = {f"pp2-{s}": (2, ["parallel.pp=2", f"parallel.pp_schedule={s}", "train.micro_batch_size=2"])
-           for s in SCHEDULES}
-LAYOUTS |= {
+LAYOUTS = layouts({f"pp2-{s}": (2, ["parallel.pp=2", f"parallel.pp_schedule={s}", "train.micro_batch_size=2"])
+                   for s in SCHEDULES})
+LAYOUTS += layouts({
     "pp2-1F1B-accum": (2, ["parallel.pp=2", "parallel.pp_microbatches=4", "train.micro_batch_size=2"]),
     "pp2-1F1B-uneven": (2, ["parallel.pp=2", "parallel.pp_layers_per_stage=[1,3]", "train.micro_batch_size=2"]),
     "pp2-Interleaved1F1B-3-per-rank": (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B",
@@ -32,40 +32,36 @@ LAYOUTS |= {
                                    "train.micro_batch_size=2"]),
     "hsdp2x2-pp2-Interleaved1F1B": (8, ["parallel.dp_replicate=2", "parallel.pp=2", "parallel.zero_stage=3",
                                         "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=2"]),
-}
+})
 
 
 # Tied embeddings: the first stage's embedding and the last stage's copy stay one matrix, whether
 # the two stages share a rank (V schedules) or not, under dp and tp too.
-TIED = {
-    "pp2-1F1B-tied": (2, ["parallel.pp=2"]),
-    "pp2-ZBVZeroBubble-tied": (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"]),
-    "dp2-pp2-zero3-tied": (4, ["parallel.pp=2", "parallel.zero_stage=3"]),
-    "tp2-pp2-tied": (4, ["parallel.pp=2", "parallel.tp=2"]),
-}
 TIED_OVERRIDES = ["model.tie_embeddings=true", "train.micro_batch_size=2"]
+TIED = layouts({
+    "pp2-1F1B-tied": (2, ["parallel.pp=2", *TIED_OVERRIDES], True),
+    "pp2-ZBVZeroBubble-tied": (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", *TIED_OVERRIDES], True),
+    "dp2-pp2-zero3-tied": (4, ["parallel.pp=2", "parallel.zero_stage=3", *TIED_OVERRIDES], True),
+    "tp2-pp2-tied": (4, ["parallel.pp=2", "parallel.tp=2", *TIED_OVERRIDES], True),
+})
 
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS)
-    prefetch_selected(request, parity, {name: (n, [*o, *TIED_OVERRIDES]) for name, (n, o) in TIED.items()})
+    prefetch_selected(request, parity, LAYOUTS + TIED)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_matches_single_process(name, parity):
-    nproc, overrides = LAYOUTS[name]
-    parity.assert_same_training(parity.run(name, nproc, overrides))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_matches_single_process(layout, parity):
+    parity.assert_same_training(parity.train(layout))
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", list(TIED))
-def test_tied_embeddings_match_single_process(name, parity):
-    nproc, overrides = TIED[name]
-    run = parity.run(name, nproc, [*overrides, *TIED_OVERRIDES])
-    parity.assert_same_training(run, tied=True)
+@pytest.mark.parametrize("layout", TIED, ids=str)
+def test_tied_embeddings_match_single_process(layout, parity):
+    parity.assert_same_training(parity.train(layout), tied=layout.tied)
 
 
 @pytest.mark.parametrize("overrides,world_size,key", [
@@ -116,3 +112,30 @@ def test_stages_keep_full_model_parameter_names():
         full = [n for n, _ in Transformer(cfg).named_parameters()]
     assert sorted(names) == sorted(full)
     assert "layers.3.attention.wq.weight" in dict(last.named_parameters())
+
+
+def test_microbatch_rules_refuse_whatever_torchs_schedules_refuse():
+    """pipeline.py's rules (which validation asks) against torch's own constructors: every count
+    torch refuses is refused before any process group, for every schedule, 2 and 4 pp ranks."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallel3d.parallel.pipeline import SCHEDULES as CLASSES, fits_rounds, min_microbatches, stages_per_rank
+
+    for pp in (2, 4):
+        dist.init_process_group("fake", rank=0, world_size=pp, store=FakeStore())
+        try:
+            for name in SCHEDULES:
+                per_rank = stages_per_rank(name, None)
+                ids = [0, 2 * pp - 1] if per_rank == 2 and name in ("ZBVZeroBubble", "DualPipeV") else \
+                    [k * pp for k in range(per_rank)]
+                stages = [PipelineStage(torch.nn.Linear(2, 2), i, pp * per_rank, torch.device("cpu")) for i in ids]
+                for n in range(1, 3 * pp + 2):
+                    try:
+                        CLASSES[name](stages[0] if per_rank == 1 else stages, n, loss_fn=lambda y, t: y.sum())
+                    except ValueError:
+                        assert n < min_microbatches(name, pp, pp * per_rank) or not fits_rounds(name, pp, n), (name, n)
+        finally:
+            dist.destroy_process_group()

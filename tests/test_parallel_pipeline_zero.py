@@ -6,13 +6,13 @@ two matrices can run side by side under pytest-xdist."""
 from __future__ import annotations
 
 import pytest
-from conftest import prefetch_selected
+from conftest import layouts, prefetch_selected
 
 from parallel3d.parallel.pipeline import SCHEDULES
 
-LAYOUTS = {f"dp2-pp2-{s}-zero{z}": (4, ["parallel.pp=2", f"parallel.pp_schedule={s}", f"parallel.zero_stage={z}",
-                                        "train.micro_batch_size=2"])
-           for s in SCHEDULES for z in range(4)}
+LAYOUTS = layouts({f"dp2-pp2-{s}-zero{z}": (4, ["parallel.pp=2", f"parallel.pp_schedule={s}",
+                                                f"parallel.zero_stage={z}", "train.micro_batch_size=2"])
+                   for s in SCHEDULES for z in range(4)})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,7 +22,6 @@ def batched(parity, request):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_schedule_at_every_zero_stage_matches_single_process(name, parity):
-    nproc, overrides = LAYOUTS[name]
-    parity.assert_same_training(parity.run(name, nproc, overrides))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_every_schedule_at_every_zero_stage_matches_single_process(layout, parity):
+    parity.assert_same_training(parity.train(layout))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import prefetch_selected
+from conftest import layouts, prefetch_selected
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
@@ -16,7 +16,7 @@ from parallel3d.models import Transformer
 from parallel3d.parallel.tensor import apply_tensor_parallel
 
 # name: (ranks, overrides, tied)
-LAYOUTS = {
+LAYOUTS = layouts({
     "tp2": (2, ["parallel.tp=2", "train.micro_batch_size=16"], False),
     "tp2-no-sp-accum": (2, ["parallel.tp=2", "parallel.sequence_parallel=false", "train.micro_batch_size=4"], False),
     "tp2-tied": (2, ["parallel.tp=2", "model.tie_embeddings=true", "train.micro_batch_size=8"], True),
@@ -26,20 +26,19 @@ LAYOUTS = {
     "dp2-tp2-zero3-accum": (4, ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"], False),
     "hsdp2x2-tp2-zero3": (8, ["parallel.tp=2", "parallel.dp_replicate=2", "parallel.zero_stage=3",
                               "train.micro_batch_size=4"], False),
-}
+})
 
 
-@pytest.mark.multirank
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_matches_single_process(name, parity):
-    nproc, overrides, tied = LAYOUTS[name]
-    parity.assert_same_training(parity.run(name, nproc, overrides), tied=tied)
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_matches_single_process(layout, parity):
+    parity.assert_same_training(parity.train(layout), tied=layout.tied)
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from parallel3d.models import Transformer
 from parallel3d.optim import build_optimizer
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts
-from parallel3d.planner import Hardware, predict, rank_layouts
+from parallel3d.planner import Hardware, SearchSpace, predict, rank_layouts
 from parallel3d.planner.comm import ring
 from parallel3d.planner.plan import evaluate
 from parallel3d.planner.schedule import _simulated_microbatches, bubble_fraction, in_flight_microbatches
@@ -301,16 +301,22 @@ def test_pipeline_sends_activations_and_gradients():
 # Recommendations
 
 
+def _cluster_config(model: str, *, seq_len: int, global_batch_size: int):
+    """A model trained in bf16 with these sequences and batch (the rest: the default recipe's)."""
+    return compose([f"model={model}", f"train.seq_len={seq_len}", f"train.global_batch_size={global_batch_size}",
+                    "train.param_dtype=bfloat16", "train.reduce_dtype=float32"])
+
+
 def test_small_model_on_one_node_gets_plain_data_parallelism():
-    cands = rank_layouts(compose(["model=llama3_1b"]).model, 8, seq_len=2048, global_batch_size=64)
+    cands = rank_layouts(_cluster_config("llama3_1b", seq_len=2048, global_batch_size=64), 8)
     best = next(c for c in cands if c.recommended)
     assert (best.layout.tp, best.layout.pp, best.layout.dp) == (1, 1, 8)
     assert all(c.plan.fits for c in cands)
 
 
 def test_70b_on_8_nodes_gets_tensor_parallelism_inside_nodes():
-    cands = rank_layouts(compose(["model=llama3_70b"]).model, 64, seq_len=8192, global_batch_size=1024,
-                         micro_batch_sizes=(1, 2))
+    cands = rank_layouts(_cluster_config("llama3_70b", seq_len=8192, global_batch_size=1024), 64,
+                         space=SearchSpace(micro_batch_sizes=(1, 2)))
     best = next(c for c in cands if c.recommended)
     assert best.layout.tp == 8
     assert best.layout.pp * best.layout.dp == 8
@@ -319,8 +325,9 @@ def test_70b_on_8_nodes_gets_tensor_parallelism_inside_nodes():
 
 def test_tensor_parallelism_never_wins_across_nodes():
     """Allowed to cross nodes (4 GPUs each), tp 8 and 16 still lose to layouts that keep tp inside."""
-    cands = rank_layouts(compose(["model=llama3_8b"]).model, 16, gpus_per_node=4, seq_len=4096,
-                         global_batch_size=64, micro_batch_sizes=(1,), allow_cross_node_tp=True)
+    cands = rank_layouts(_cluster_config("llama3_8b", seq_len=4096, global_batch_size=64), 16,
+                         hardware=Hardware(gpus_per_node=4),
+                         space=SearchSpace(micro_batch_sizes=(1,), allow_cross_node_tp=True))
     inside = [c for c in cands if c.layout.tp <= 4]
     across = [c for c in cands if c.layout.tp > 4]
     assert across and inside
@@ -332,8 +339,8 @@ def test_long_context_recipe_is_what_the_planner_recommends():
     """Llama 3 8B at 128K tokens, 8 sequences a step on 64 GPUs: dp can reach 8 at most, and tp 8
     alone loses to cp 2 x tp 4 (recipes/llama3_8b_128k.yaml). Our ring attention materializes its
     sub-blocks' scores (parallel/context.py), so at 128K it needs more memory than all-to-all."""
-    cands = rank_layouts(compose(["model=llama3_8b"]).model, 64, seq_len=131072, global_batch_size=8,
-                         micro_batch_sizes=(1,), cp_degrees=(1, 2, 4, 8, 16))
+    cands = rank_layouts(_cluster_config("llama3_8b", seq_len=131072, global_batch_size=8), 64,
+                         space=SearchSpace(micro_batch_sizes=(1,), cp_degrees=(1, 2, 4, 8, 16)))
     best = next(c for c in cands if c.recommended)
     recipe = compose(["recipe=llama3_8b_128k", "run_dir=/nonexistent"])
     p = recipe.parallel

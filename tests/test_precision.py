@@ -16,7 +16,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 
-from conftest import prefetch_selected, relative_error
+from conftest import assert_matches, layouts, prefetch_selected
 from parallel3d.config import compose
 from parallel3d.step import build_setup
 from parallel3d.validate import check
@@ -38,7 +38,7 @@ TENSOR = (2.5e-4, 1e-2)
 # Its losses keep the data-parallel bound; its grad norms get that spread.
 CONTEXT = (1e-4, 2.5e-3)
 
-LAYOUTS = {  # name: (ranks, overrides, tolerances); the largest micro batch each layout allows
+TABLE = {  # name: (ranks, overrides, tolerances); the largest micro batch each layout allows
     "bf16-zero0-dp2": (2, [*BF16, "parallel.dp_shard=2", "parallel.zero_stage=0", "train.micro_batch_size=8"],
                        DATA_PIPELINE),
     # two micro batches per rank: ZeRO-1 accumulates unsharded gradients (reduce dtype) between them
@@ -53,6 +53,8 @@ LAYOUTS = {  # name: (ranks, overrides, tolerances); the largest micro batch eac
     "bf16-cp2": (2, [*BF16, "parallel.cp=2", "train.micro_batch_size=16"], CONTEXT),
     "bf16-tp2": (2, [*BF16, "parallel.tp=2", "train.micro_batch_size=16"], TENSOR),
 }
+LAYOUTS = layouts({name: (nproc, overrides) for name, (nproc, overrides, _) in TABLE.items()})
+TOLERANCES = {name: tolerances for name, (_, _, tolerances) in TABLE.items()}  # (loss, grad norm)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,17 +78,15 @@ def bf16_reference(parity, micro_batch_size: int = 16):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_bf16_layout_computes_what_one_process_computes(name, parity):
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_bf16_layout_computes_what_one_process_computes(layout, parity):
     """Through parity.run, which also holds the planner's model-state bytes to the measured ones
     (float32 masters in every layout)."""
-    nproc, overrides, (loss_tolerance, norm_tolerance) = LAYOUTS[name]
-    micro_batch_size = int(next(o for o in overrides if o.startswith("train.micro_batch_size=")).split("=")[1])
-    reference, run = bf16_reference(parity, micro_batch_size), parity.run(name, nproc, overrides)
-    error = relative_error(run.losses, reference.losses)
-    assert error < loss_tolerance, (name, error, run.losses, reference.losses)
-    norms = relative_error([r["grad_norm"] for r in run.metrics], [r["grad_norm"] for r in reference.metrics])
-    assert norms < norm_tolerance, (name, norms)
+    loss_tolerance, norm_tolerance = TOLERANCES[layout.name]
+    micro_batch_size = int(next(o for o in layout.overrides if o.startswith("train.micro_batch_size=")).split("=")[1])
+    reference, run = bf16_reference(parity, micro_batch_size), parity.train(layout)
+    assert_matches(reference, run, rel=loss_tolerance, metrics=("loss",))
+    assert_matches(reference, run, rel=norm_tolerance, metrics=("grad_norm",))
 
 
 def _one_process_setup(param_dtype: str):

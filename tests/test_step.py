@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from parallel3d.config import compose
+from parallel3d.models.moe import moe_layers
 from parallel3d.step import build_setup, train_step
 from parallel3d.validate import check
 
@@ -48,3 +49,16 @@ def test_activation_checkpointing_reaches_the_model_through_the_plan():
     torch.testing.assert_close(a, b)  # recomputation changes no number
     # apply_activation_checkpointing wraps each block's forward on the instance
     assert "forward" in vars(checkpointed.model.layers["0"]) and "forward" not in vars(plain.model.layers["0"])
+
+
+def test_the_step_moves_the_sigmoid_routers_bias_by_its_load():
+    """The bias step follows the optimizer's inside train_step: each block's bias moves by
+    bias_update_rate against the sign of (load - mean load) of the step's token copies."""
+    setup = _setup(["model=tiny_moe", "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"])
+    layers = moe_layers(setup.model)
+    train_step(setup, _batches(setup))
+    for layer in layers.values():
+        loads = layer.step_stats(2)[0]
+        expected = 0.01 * torch.sign(loads.mean() - loads).float()
+        assert expected.any()
+        torch.testing.assert_close(layer.router.expert_bias, expected)

@@ -113,10 +113,12 @@ def plain_records(overrides: list[str]) -> list[dict]:
             loss.backward()
             accumulate_gradients(compute, model)
             total += loss.detach()
-        # The optimizer's parameter order, as parallel3d clips: the norm sums per-tensor norms, and
-        # another order rounds the clip factor differently by an ulp, which training amplifies
-        # (bit-identical for ~20 steps, 1e-2 apart by step 100).
-        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        # As parallel3d clips (optim.total_norm): per-tensor norms in the optimizer's parameter order,
+        # summed in float64. Another order or precision rounds the clip factor differently by an ulp,
+        # which training amplifies (bit-identical for ~20 steps, 1e-2 apart by step 100).
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params], 2.0,
+                                                                         dtype=torch.float64)))
+        torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, norm, foreach=True)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

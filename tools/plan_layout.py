@@ -148,11 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         _write_json(args.json, {"plan": plan.to_dict()})
         return 0
 
-    candidates = rank_layouts(cfg.model, args.gpus, gpu_memory_bytes=args.gpu_memory,
-                              gpus_per_node=args.gpus_per_node, intra_node_bw=hw.intra_node_bw,
-                              inter_node_bw=hw.inter_node_bw, peak_flops=hw.peak_flops, efficiency=hw.efficiency,
-                              seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
-                              param_dtype=cfg.train.param_dtype, reduce_dtype=cfg.train.reduce_dtype, base_cfg=cfg)
+    candidates = rank_layouts(cfg, args.gpus, hardware=hw)
     print(f"{cfg.model.name} on {args.gpus} GPUs ({args.gpus_per_node} per node, {gib(args.gpu_memory)} GiB), "
           f"seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size} sequences, "
           f"{cfg.train.param_dtype} compute: {len(candidates)} layouts fit")

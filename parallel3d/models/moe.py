@@ -204,14 +204,6 @@ class MoE(nn.Module):
         """Token copies dropped for capacity over the step's last ``forwards`` forwards."""
         return sum(d for _, _, d in self.forward_stats[-forwards:])
 
-    @property
-    def tokens_per_expert(self) -> torch.Tensor:
-        return self.step_stats(len(self.forward_stats))[0]
-
-    @property
-    def aux_loss_sum(self) -> torch.Tensor:
-        return self.step_stats(len(self.forward_stats))[1]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)

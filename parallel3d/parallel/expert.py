@@ -108,13 +108,13 @@ def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, micro_batches: int,
     """The step's ``aux_loss`` (as added to the loss: mean over the global batch, summed over MoE
     blocks), tokens per expert summed over blocks and ranks (``expert_load``: the copies the experts
     computed), the worst block's ``expert_load_max_over_mean`` and the copies dropped for capacity
-    (``expert_dropped``); resets the blocks' counters and, for the sigmoid router, moves
-    its balancing bias. ``micro_batches``: the forwards each block ran this step. Every rank must
-    call it (one all-reduce over the world)."""
+    (``expert_dropped``); resets the blocks' counters (the model is otherwise left alone: the
+    router's bias moves in the training step, :func:`update_router_bias`). ``micro_batches``: the
+    forwards each block ran this step. Every rank must call it (one all-reduce over the world)."""
     names = [str(i) for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
     if not names:
         return {}
-    local = {name: part.layers[name].feed_forward for part in parts for name in names if name in part.layers}
+    local = _local_blocks(parts, names)
     stats = torch.zeros(2 + len(names) * cfg.moe.num_experts, dtype=torch.float64)  # aux, dropped, loads
     for i, name in enumerate(names):
         if name in local:
@@ -123,19 +123,47 @@ def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, micro_batches: int,
             stats[1] += local[name].step_dropped(micro_batches)
             stats[2 + i * cfg.moe.num_experts : 2 + (i + 1) * cfg.moe.num_experts] = tokens
             local[name].reset_stats()
-    if world_group_size > 1:  # pipeline stages hold different blocks, data ranks different tokens
-        stats = stats.to(device)
-        dist.all_reduce(stats)
-        stats = stats.cpu()
+    stats = _sum_over_world(stats, world_group_size, device)  # pipeline stages hold different blocks, data ranks different tokens
     aux, loads = stats[0] / dp, stats[2:].view(len(names), cfg.moe.num_experts)
-    if cfg.moe.router == "sigmoid":
-        for i, name in enumerate(names):
-            if name in local:
-                bias = local[name].router.expert_bias
-                bias += cfg.moe.bias_update_rate * torch.sign(loads[i].mean() - loads[i]).to(bias)
     imbalance = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-12)).max()
     return {"aux_loss": float(aux), "expert_load": [int(v) for v in loads.sum(0).tolist()],
             "expert_load_max_over_mean": float(imbalance), "expert_dropped": int(stats[1])}
+
+
+@torch.no_grad()
+def update_router_bias(parts: list[nn.Module], cfg: ModelConfig, *, micro_batches: int, world_group_size: int,
+                       device: torch.device) -> None:
+    """DeepSeek-V3's aux-loss-free balancing, a step of its own after the optimizer's: each sigmoid
+    router's bias moves by ``bias_update_rate`` towards even load, up for the experts that computed
+    fewer token copies than the block's mean this step (over all ranks), down for busier ones.
+    Nothing to do for softmax routers and dense models; otherwise every rank must call it (one
+    all-reduce over the world) before the step's counters are reset."""
+    names = [str(i) for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
+    if cfg.moe.router != "sigmoid" or not names:
+        return
+    local = _local_blocks(parts, names)
+    loads = torch.zeros(len(names), cfg.moe.num_experts, dtype=torch.float64)
+    for i, name in enumerate(names):
+        if name in local:
+            loads[i] = local[name].step_stats(micro_batches)[0]
+    loads = _sum_over_world(loads, world_group_size, device)
+    for i, name in enumerate(names):
+        if name in local:
+            bias = local[name].router.expert_bias
+            bias += cfg.moe.bias_update_rate * torch.sign(loads[i].mean() - loads[i]).to(bias)
+
+
+def _local_blocks(parts: list[nn.Module], names: list[str]) -> dict[str, MoE]:
+    """This rank's MoE feed-forwards among the blocks ``names`` (a pipeline stage holds some)."""
+    return {name: part.layers[name].feed_forward for part in parts for name in names if name in part.layers}
+
+
+def _sum_over_world(values: torch.Tensor, world_group_size: int, device: torch.device) -> torch.Tensor:
+    if world_group_size == 1:
+        return values
+    values = values.to(device)  # NCCL reduces device tensors only
+    dist.all_reduce(values)
+    return values.cpu()
 
 
 def check_experts(m, p) -> None:

@@ -21,7 +21,6 @@ sets the blocks per stage explicitly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Callable
 
 import torch
@@ -58,12 +57,27 @@ def is_single_stage(schedule: str) -> bool:
     return issubclass(SCHEDULES[schedule], PipelineScheduleSingle)
 
 
-def stages_per_rank(schedule: str, configured: int | None) -> int:
+def fixed_stages_per_rank(schedule: str) -> int | None:
+    """The stages each pp rank runs where the schedule fixes it (1, or 2 for a V); None: looped, any."""
     if is_single_stage(schedule):
         return 1
-    if schedule in V_SCHEDULES:
-        return 2
-    return configured or 2
+    return 2 if schedule in V_SCHEDULES else None
+
+
+def stages_per_rank(schedule: str, configured: int | None) -> int:
+    return fixed_stages_per_rank(schedule) or configured or 2
+
+
+def min_microbatches(schedule: str, pp: int, num_stages: int) -> int:
+    """The fewest microbatches per schedule step ``schedule`` runs: GPipe any number, DualPipeV one
+    per stage (torch refuses fewer), the others one per pp rank (fewer leave a rank idle throughout)."""
+    return {"GPipe": 1, "DualPipeV": num_stages}.get(schedule, pp)
+
+
+def fits_rounds(schedule: str, pp: int, microbatches: int) -> bool:
+    """Multi-stage schedules run microbatches in rounds of about ``pp``: torch's looped schedules
+    refuse a count that is not a multiple of their number of rounds, max(1, microbatches // pp)."""
+    return is_single_stage(schedule) or microbatches % max(1, microbatches // pp) == 0
 
 
 def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
@@ -102,19 +116,22 @@ def stage_model(cfg: ModelConfig, stage: int, num_stages: int, layers: range) ->
     return model
 
 
+Prepare = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
 @dataclass
 class Pipeline:
     parts: list[nn.Module]  # this rank's stage modules, in stage order
     stages: list[PipelineStage]
     schedule: object
     microbatches: int  # per schedule step
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     @property
     def has_first_stage(self) -> bool:
         return any(stage.is_first for stage in self.stages)
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                         prepare: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], prepare: Prepare
                          ) -> list[torch.Tensor]:
         """Forward and backward of one optimizer step's micro batches through all stages, in
         schedule steps of ``self.microbatches`` each (fewer than all: gradient accumulation).
@@ -123,16 +140,83 @@ class Pipeline:
         its device, its context-parallel share); the schedule splits the keyword inputs (document
         ids, positions) into micro batches and hands them to every stage beside its activations."""
         losses: list[torch.Tensor] = []
-        for k in range(0, len(micro_batches), self.microbatches):
+        for inputs, targets, extra in self._schedule_steps(micro_batches, prepare):
             chunk_losses: list[torch.Tensor] = []  # step() clears and refills it
-            chunk = micro_batches[k : k + self.microbatches]
-            inputs, targets, extra = prepare(torch.cat([x for x, _ in chunk]), torch.cat([y for _, y in chunk]))
             # return_outputs=False: else the last stage keeps every microbatch's logits for step() to
             # return (4 GiB on the 405B recipe), which nothing here reads.
             self.schedule.step(*([inputs] if self.has_first_stage else []), target=targets, losses=chunk_losses,
                                return_outputs=False, **extra)
             losses += [loss.detach() for loss in chunk_losses]
         return losses
+
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], prepare: Prepare
+                     ) -> list[torch.Tensor]:
+        """The micro batches' losses, forward only (the caller disables grad), as ``forward_backward``
+        returns them: through the schedule's own forward-only path (``eval``). torch 2.13's ``eval``
+        replays the schedule's actions with backward switched off, and ZBVZeroBubble's split
+        backward at the turn of its V still asks for input gradients ("can't steal_bwd_input if
+        this stage doesn't have backward"): under it each micro batch goes through the stages in
+        order instead (:func:`_forward_in_stage_order`)."""
+        losses: list[torch.Tensor] = []
+        if isinstance(self.schedule, ScheduleZBVZeroBubble):
+            for inputs, targets in micro_batches:
+                inputs, targets, extra = prepare(inputs, targets)
+                logits = _forward_in_stage_order(self.stages, inputs, extra)
+                if logits is not None:  # this rank holds the last stage
+                    losses.append(self.loss_fn(logits, targets))
+            return losses
+        for inputs, targets, extra in self._schedule_steps(micro_batches, prepare):
+            chunk_losses: list[torch.Tensor] = []  # filled on the rank holding the last stage only
+            self.schedule.eval(*([inputs] if self.has_first_stage else []), target=targets, losses=chunk_losses,
+                               **extra)
+            losses += chunk_losses
+        return losses
+
+    def _schedule_steps(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], prepare: Prepare):
+        """The micro batches in groups of ``self.microbatches``, each concatenated and prepared."""
+        for k in range(0, len(micro_batches), self.microbatches):
+            chunk = micro_batches[k : k + self.microbatches]
+            yield prepare(torch.cat([x for x, _ in chunk]), torch.cat([y for _, y in chunk]))
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the hidden states sent between stages
+
+
+def _forward_in_stage_order(stages: list[PipelineStage], inputs: torch.Tensor, extra: dict) -> torch.Tensor | None:
+    """One micro batch through every stage in order: the last stage's output on the rank that runs
+    it, None on the others. Every pp rank walks the same stage order (the schedule's stage-to-rank
+    map), so the blocking sends and receives pair up; consecutive stages on one rank (the turn of a
+    V) hand over locally."""
+    owners = stages[0].stage_index_to_group_rank
+    me, group = stages[0].group_rank, stages[0].group
+    modules = {stage.stage_index: stage.submod for stage in stages}
+    hidden = None
+    for index in range(stages[0].num_stages):
+        owner, previous = owners[index], owners[index - 1] if index else None
+        if owner == me:
+            if index == 0:
+                hidden = inputs
+            elif previous != me:
+                hidden = _receive(previous, group, inputs.device)
+            hidden = modules[index](hidden, **extra)
+        elif previous == me:
+            _send(hidden, owner, group)
+    return hidden if owners[stages[0].num_stages - 1] == me else None
+
+
+def _send(hidden: torch.Tensor, peer: int, group) -> None:
+    header = torch.tensor([*hidden.shape, _DTYPES.index(hidden.dtype)], dtype=torch.int64, device=hidden.device)
+    dist.send(header, group_dst=peer, group=group)  # (batch, sequence shard, dim, dtype)
+    dist.send(hidden.contiguous(), group_dst=peer, group=group)
+
+
+def _receive(peer: int, group, device: torch.device) -> torch.Tensor:
+    header = torch.empty(4, dtype=torch.int64, device=device)
+    dist.recv(header, group_src=peer, group=group)
+    *shape, dtype = header.tolist()
+    hidden = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
+    dist.recv(hidden, group_src=peer, group=group)
+    return hidden
 
 
 def num_stages(parallel) -> int:
@@ -158,7 +242,7 @@ def build_schedule(parts: list[tuple[int, nn.Module]], num_stages: int, schedule
     cls = SCHEDULES[schedule]
     runner = cls(stages[0] if is_single_stage(schedule) else stages, microbatches, loss_fn=loss_fn,
                  scale_grads=False)
-    return Pipeline([module for _, module in parts], stages, runner, microbatches)
+    return Pipeline([module for _, module in parts], stages, runner, microbatches, loss_fn)
 
 
 class TiedEmbeddings:

@@ -6,7 +6,7 @@ before any process group exists; and a ranking of every layout of a model on a c
 
     plan = predict(compose(["recipe=llama3_70b"]), 64, Hardware())   # one configured layout
     plan.param_bytes, plan.activation_bytes, plan.peak_bytes, plan.comm_bytes, plan.bubble_fraction
-    ranked = rank_layouts(compose(["model=llama3_70b"]).model, 64, seq_len=8192, global_batch_size=1024)
+    ranked = rank_layouts(compose(["recipe=llama3_70b"]), 64, hardware=Hardware())  # every layout, fastest first
     best = next(c for c in ranked if c.recommended)
 
 What is exact and what is a model:
@@ -35,7 +35,7 @@ from parallel3d.planner.layout import Layout, ModelShape
 from parallel3d.planner.memory import ModelState
 from parallel3d.planner.plan import Hardware, Plan, RankMemory, StepTime, evaluate, predict
 from parallel3d.planner.schedule import bubble_fraction
-from parallel3d.planner.search import Candidate, rank_layouts
+from parallel3d.planner.search import Candidate, SearchSpace, rank_layouts
 
 __all__ = ["Candidate", "Hardware", "Layout", "ModelShape", "ModelState", "Plan", "RankMemory", "StepTime",
-           "bubble_fraction", "evaluate", "predict", "rank_layouts"]
+           "SearchSpace", "bubble_fraction", "evaluate", "predict", "rank_layouts"]

@@ -107,11 +107,6 @@ class Plan:
         return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
                 "optim_state_bytes": self.optim_state_bytes}
 
-    @property
-    def step_time_estimate(self) -> Optional[float]:
-        """Seconds per optimizer step (None without a Hardware)."""
-        return self.step_time.total_s if self.step_time else None
-
     def rank_model_state(self, rank: int) -> ModelState:
         """Exact model state of global ``rank`` (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
         lay = self.layout

@@ -16,10 +16,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+from parallel3d.config import Config
 from parallel3d.planner.layout import Layout, ModelShape
-from parallel3d.planner.plan import GiB, Hardware, Plan, evaluate
+from parallel3d.planner.plan import Hardware, Plan, evaluate
 from parallel3d.validate import ConfigError, check, divisors
 
 AC_ORDER = ("none", "op", "selective", "full")  # least recomputation first
@@ -58,35 +59,39 @@ def overrides_of(layout: Layout) -> list[str]:
     return out
 
 
-def rank_layouts(model_cfg, world_size: int, *, gpu_memory_bytes: int = 80 * GiB, gpus_per_node: int = 8,
-                 intra_node_bw: float = 450e9, inter_node_bw: float = 50e9, peak_flops: float = 989e12,
-                 efficiency: float = 0.5, seq_len: int = 8192, global_batch_size: int = 1024,
-                 param_dtype: str = "bfloat16", reduce_dtype: str = "float32",
-                 micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8), zero_stages: tuple[int, ...] = (0, 1, 2, 3),
-                 schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B"),
-                 ac_modes: tuple[str, ...] = ("none", "op", "full"), base_cfg=None,
-                 allow_cross_node_tp: bool = False, tolerance: float = 0.03,
-                 include_unfit: bool = False, cp_degrees: tuple[int, ...] = (1,),
-                 cp_methods: tuple[str, ...] = ("alltoall", "ring")) -> list[Candidate]:
-    """Every valid layout of ``model_cfg`` (a ModelConfig, or a composed config's ``model``) on
-    ``world_size`` GPUs, fastest first; the recommended one has ``recommended=True``.
+@dataclass(frozen=True)
+class SearchSpace:
+    """What :func:`rank_layouts` tries besides the degrees (every divisor of the world size)."""
 
-    Each layout gets the cheapest checkpointing mode of ``ac_modes`` that fits; layouts that fit
-    with none are dropped (kept at the end, with ``include_unfit``). ``base_cfg``: a composed
-    config whose other settings (optimizer, fsdp_prefetch, ...) the candidates share.
-    ``cp_degrees``/``cp_methods``: context-parallel degrees and methods to try (long sequences).
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B")  # pipeline schedules, where pp > 1
+    ac_modes: tuple[str, ...] = ("none", "op", "full")  # the cheapest that fits is kept
+    cp_degrees: tuple[int, ...] = (1,)  # context-parallel degrees (long sequences)
+    cp_methods: tuple[str, ...] = ("alltoall", "ring")
+    allow_cross_node_tp: bool = False  # never wins, and doubles the search
+
+
+def rank_layouts(cfg: Config | DictConfig, world_size: int, *, hardware: Hardware = Hardware(),
+                 space: SearchSpace = SearchSpace(), tolerance: float = 0.03,
+                 include_unfit: bool = False) -> list[Candidate]:
+    """Every valid layout of ``cfg`` (a composed config: its model, ``train.seq_len``,
+    ``global_batch_size``, ``param_dtype``, ``reduce_dtype`` and every other setting the
+    candidates share) on ``world_size`` GPUs of ``hardware``, fastest first; the recommended one
+    (the simplest within ``tolerance`` of the fastest) has ``recommended=True``.
+
+    Each layout gets the cheapest checkpointing mode of ``space.ac_modes`` that fits; layouts that
+    fit with none are dropped (kept at the end, with ``include_unfit``).
     """
-    hw = Hardware(gpu_memory_bytes, gpus_per_node, intra_node_bw, inter_node_bw, peak_flops, efficiency)
-    base = _base_config(base_cfg, model_cfg, seq_len, global_batch_size, param_dtype, reduce_dtype)
+    base = _base_config(cfg)
     model = ModelShape.from_config(base.model)
     fitting, unfit = [], []
-    for layout in (lay for cp in cp_degrees if world_size % cp == 0
-                   for method in (cp_methods if cp > 1 else ("alltoall",))
-                   for lay in _layouts(_with_cp(base, cp, method), model, world_size // cp, hw, micro_batch_sizes,
-                                       zero_stages, schedules, allow_cross_node_tp, cp)):
+    for layout in (lay for cp in space.cp_degrees if world_size % cp == 0
+                   for method in (space.cp_methods if cp > 1 else ("alltoall",))
+                   for lay in _layouts(_with_cp(base, cp, method), model, world_size // cp, hardware, space, cp)):
         tried = []
-        for mode in sorted(ac_modes, key=AC_ORDER.index):
-            plan = evaluate(model, replace(layout, activation_checkpoint=mode), hw)
+        for mode in sorted(space.ac_modes, key=AC_ORDER.index):
+            plan = evaluate(model, replace(layout, activation_checkpoint=mode), hardware)
             if plan.fits:
                 fitting.append(Candidate(plan, overrides_of(plan.layout), rejected=tried))
                 break
@@ -101,19 +106,15 @@ def rank_layouts(model_cfg, world_size: int, *, gpu_memory_bytes: int = 80 * GiB
     return fitting + (unfit if include_unfit else [])
 
 
-def _base_config(base_cfg, model_cfg, seq_len, global_batch_size, param_dtype, reduce_dtype):
-    """A plain (dataclass) config to copy candidates from: validation is cheapest on those."""
-    from parallel3d.config import compose
-
-    cfg = copy.deepcopy(base_cfg) if base_cfg is not None else compose([])
+def _base_config(cfg: Config | DictConfig) -> Config:
+    """A plain (dataclass) copy of ``cfg`` to copy candidates from (validation is cheapest on
+    those), set for GPUs, with the layout's own keys cleared."""
+    cfg = copy.deepcopy(cfg)
     if OmegaConf.is_config(cfg):
         cfg.run_dir = "."  # Hydra's own run dir exists only inside a Hydra run
         cfg = OmegaConf.to_object(cfg)
-    if model_cfg is not None:
-        cfg.model = copy.deepcopy(OmegaConf.to_object(model_cfg) if OmegaConf.is_config(model_cfg) else model_cfg)
-    cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq_len)
-    cfg.train.seq_len, cfg.train.global_batch_size = seq_len, global_batch_size
-    cfg.train.param_dtype, cfg.train.reduce_dtype, cfg.train.device = param_dtype, reduce_dtype, "cuda"
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, cfg.train.seq_len)
+    cfg.train.device = "cuda"
     cfg.model.compile = False
     cfg.parallel.fsdp_sharding_strategy = None
     cfg.parallel.pp_microbatches = cfg.parallel.pp_stages_per_rank = cfg.parallel.pp_layers_per_stage = None
@@ -127,24 +128,23 @@ def _with_cp(base, cp: int, method: str):
     return cfg
 
 
-def _layouts(base, model: ModelShape, world: int, hw: Hardware, micro_batch_sizes, zero_stages, schedules,
-             allow_cross_node_tp: bool, cp: int = 1):
+def _layouts(base: Config, model: ModelShape, world: int, hw: Hardware, space: SearchSpace, cp: int = 1):
     """Layouts validation accepts (checkpointing left to the caller); ``world``: ranks per cp rank."""
     node = max(hw.gpus_per_node // cp, 1)  # tp inside a node, with its cp ranks where they fit
     for tp in divisors(world):
-        if tp > node and not allow_cross_node_tp or (tp <= node and node % tp):
+        if tp > node and not space.allow_cross_node_tp or (tp <= node and node % tp):
             continue
         for pp in divisors(world // tp):
             dp = world // tp // pp
-            for zero in zero_stages:
+            for zero in space.zero_stages:
                 if dp * cp == 1 and zero != 0:
                     continue  # without data parallelism (or cp, sharded alike) every stage is the same
                 # HSDP: shard within a node, replicate across nodes
                 replicas = [1] + ([dp // s for s in divisors(dp) if 1 < s < dp and tp * s <= node]
                                   if zero >= 2 else [])
                 for dp_replicate in replicas:
-                    for schedule in (schedules if pp > 1 else ("1F1B",)):
-                        for mbs in micro_batch_sizes:
+                    for schedule in (space.schedules if pp > 1 else ("1F1B",)):
+                        for mbs in space.micro_batch_sizes:
                             cfg = _candidate_config(base, dp_replicate, dp // dp_replicate, tp, pp, zero, schedule, mbs)
                             try:
                                 cfg = check(cfg, world * cp, device="cuda")
