@@ -329,7 +329,7 @@ def _check_data(d, m) -> None:
     if d.source == "file":
         if not d.path:
             raise ConfigError("data.path", d.path, "data.source=file needs a token file",
-                              "prepare one with tools/prepare_data.py and pass data.path=FILE")
+                              "prepare one with parallel3d-prepare-data and pass data.path=FILE")
         if not Path(d.path).expanduser().is_file():
             raise ConfigError("data.path", d.path, "no such file", "check the path (relative paths start at the "
                               "directory you launch from)")
