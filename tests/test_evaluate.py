@@ -107,6 +107,7 @@ def test_document_masking_changes_training(documents_reference, token_files, par
     assert relative_error(documents_reference.losses, plain.losses) > 1e-3
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_train_and_evaluate_alike(layout, documents_reference, token_files, parity):
     from safetensors.torch import load_file

@@ -245,6 +245,7 @@ os._exit(0)  # as parallel3d.train.main: gloo may abort in C++ static destructor
 """
 
 
+@pytest.mark.multirank
 def test_plain_torchrun_restarts_form_a_fresh_group(tmp_path):
     """pytorch#135712: without a store prefix per attempt, attempt 1 reads attempt 0's addresses
     from torchrun's shared store and gloo fails with "Connection refused" (measured with this probe

@@ -28,13 +28,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.multirank
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_single_process(name, parity):
     nproc, overrides = LAYOUTS[name]

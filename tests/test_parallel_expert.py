@@ -43,6 +43,7 @@ def moe_reference(parity):
     return parity.run("moe-reference", 1, [*MOE, "train.micro_batch_size=16"])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_parallel_layout_trains_like_one_process(parity, moe_reference, name):
     nproc, overrides = LAYOUTS[name]
@@ -81,6 +82,7 @@ def test_validation_names_the_key(overrides, world, key):
     assert str(err.value).startswith(key) and "Fix:" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.multirank
 def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_reference):
     """ep2 x dp4 (experts sharded over 2 expert-dp ranks too) saves at step 4; ep4 resumes there and
     saves at 8; one process resumes from that: every step after a resume and the final weights are
@@ -105,6 +107,7 @@ def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_reference):
                                load_file(str(source.run_dir / "model.safetensors")), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.multirank
 def test_capacity_drops_the_same_copies_in_every_layout(parity):
     """A capacity holds per forward on one rank (its micro batch's tokens): ep2 x dp2, with the
     micro batches of one process, drops the same copies in the first step and computes the same
@@ -187,6 +190,7 @@ def test_recomputed_blocks_exchange_their_tokens_again_as_planned(mode):
     assert report.comm["ep"]["all_to_all"].sent_bytes == planned
 
 
+@pytest.mark.multirank
 def test_hugging_face_weights_load_into_sharded_experts(parity, moe_reference):
     """A checkpoint exported in Qwen3-MoE's layout (one tensor per expert) starts ep2 x dp4, where each
     rank reads half of its ep rank's experts (FSDP over expert_dp), where it starts one process."""
