@@ -41,8 +41,13 @@ def log_path(run_dir: str | os.PathLike | None, rank: int) -> Path:
 
 
 def warnings_to_log(path: Path) -> None:
-    """Send this process's Python warnings to ``path`` instead of the console. Ranks other than 0
-    call it: a warning every rank raises is then printed once, by rank 0, and none is lost."""
+    """Send this process's warnings to ``path`` instead of the console. Ranks other than 0 call it:
+    a warning every rank raises is then printed once, by rank 0, and none is lost.
+
+    Two channels: Python's ``warnings`` (C++ TORCH_WARN arrives there too) and ``logging``, where
+    torch's own warnings go (DTensor's "CPU process group does not support alltoall", its notes on
+    sequential collectives): torch gives each logger it registers a console handler of its own,
+    and records of unconfigured loggers reach logging's last resort, which prints to stderr."""
     import warnings
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -50,6 +55,29 @@ def warnings_to_log(path: Path) -> None:
             f.write(warnings.formatwarning(message, category, filename, lineno, line))
 
     warnings.showwarning = show
+    _logging_to(path)
+
+
+_log_file = None  # where _logging_to last pointed the console handlers (several runs in one process)
+
+
+def _logging_to(path: Path) -> None:
+    """Point every logging handler that writes to the console, and logging's last resort, at ``path``."""
+    import logging
+
+    global _log_file
+    consoles = {id(s) for s in (sys.stderr, sys.__stderr__, sys.stdout, sys.__stdout__, _log_file) if s is not None}
+    log_file = open(path, "a", buffering=1)
+    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger))]
+    for handler in (h for logger in loggers for h in logger.handlers):
+        if type(handler) is logging.StreamHandler and id(handler.stream) in consoles:
+            handler.setStream(log_file)
+    logging.lastResort = logging.StreamHandler(log_file)
+    logging.lastResort.setLevel(logging.WARNING)
+    if _log_file is not None:
+        _log_file.close()
+    _log_file = log_file
 
 
 def one_line(error: BaseException) -> str:

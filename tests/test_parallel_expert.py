@@ -5,8 +5,6 @@ and ep2 x cp2 borrow the tp and cp ranks for ep (parallel/expert.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from safetensors.torch import load_file
 
@@ -194,12 +192,8 @@ def test_recomputed_blocks_exchange_their_tokens_again_as_planned(mode):
 def test_hugging_face_weights_load_into_sharded_experts(parity, moe_reference):
     """A checkpoint exported in Qwen3-MoE's layout (one tensor per expert) starts ep2 x dp4, where each
     rank reads half of its ep rank's experts (FSDP over expert_dp), where it starts one process."""
-    import importlib.util
+    from parallel3d.cli import convert_hf
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "convert_hf.py"
-    spec = importlib.util.spec_from_file_location("convert_hf", tool)
-    convert_hf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert_hf)
     nproc, overrides = LAYOUTS["ep2-dp4-zero2"]
     source = parity.run("moe-ep2-dp4-zero2", nproc, [*MOE, *overrides])
     export = parity.root / "moe-step8-hf"

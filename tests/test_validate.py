@@ -15,6 +15,8 @@ from parallel3d.validate import ConfigError, check
 # (overrides, world size, key the message must name, words it must contain)
 BAD = [
     (["parallel.dp_shard=3"], 4, "parallel.dp_shard", "world size is 4"),
+    # one process cannot run a 3D recipe at any dp_shard: the fix is the launch
+    (["recipe=tiny_cpu_3d"], 1, "parallel.dp_shard", "start 8 ranks: parallel3d-run --nproc-per-node 8"),
     (["parallel.dp_replicate=3"], 4, "parallel.dp_shard", "not divisible"),
     (["parallel.dp_shard=0"], 1, "parallel.dp_shard", "must be >= 1"),
     (["parallel.tp=0"], 1, "parallel.tp", ">= 1"),
@@ -61,10 +63,11 @@ BAD = [
     (["optim.schedule=linear"], 1, "optim.schedule", "cosine, wsd, constant"),
     (["optim.implementation=cuda"], 1, "optim.implementation", "fused"),
     (["optim.warmup_steps=1000"], 1, "optim.warmup_steps", "train.steps=60"),
+    (["train.steps=5"], 1, "optim.warmup_steps", "Fix: add optim.warmup_steps=1 (at most 5)"),
     (["optim.min_lr_ratio=2"], 1, "optim.min_lr_ratio", "[0, 1]"),
     (["optim.decay_fraction=-0.5"], 1, "optim.decay_fraction", "[0, 1]"),
     (["data.source=web"], 1, "data.source", "stdlib or file"),
-    (["data=tokens"], 1, "data.path", "prepare_data.py"),
+    (["data=tokens"], 1, "data.path", "parallel3d-prepare-data"),
     (["data=tokens", "data.path=/nonexistent/corpus.bin"], 1, "data.path", "no such file"),
     (["data.tokenizer=/nonexistent/tokenizer.json"], 1, "data.tokenizer", "tokenizer.json"),
     (["model.vocab_size=200"], 1, "model.vocab_size", "257"),
