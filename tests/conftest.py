@@ -153,8 +153,9 @@ TORCHRUN_COMMANDS = {"torchrun", "torch.distributed.run", "parallel3d-run", "par
 
 
 def starts_torchrun(args) -> bool:
-    argv = args.split() if isinstance(args, str) else [os.fsdecode(a) for a in args]
-    return any(Path(arg).name in TORCHRUN_COMMANDS for arg in argv)
+    """Whether a command (as subprocess takes it: a list, or one string) runs torchrun."""
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    return any(Path(word).name in TORCHRUN_COMMANDS for arg in argv for word in os.fsdecode(arg).split())
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -201,8 +201,8 @@ def test_export_streams_one_file_at_a_time(models, tmp_path, monkeypatch):
 
 def test_command_line_default_is_bfloat16(models, tmp_path):
     out = tmp_path / "bf16"
-    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli.convert_hf", "export", str(models.step_dir("untied")), str(out)],
-                          capture_output=True, text=True, timeout=120, env=env())
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli.convert_hf", "export", str(models.step_dir("untied")),
+                           str(out)], capture_output=True, text=True, timeout=120, env=env())
     assert proc.returncode == 0, proc.stderr
     full = load_file(str(models.export("untied") / "model.safetensors"))
     written = load_file(str(out / "model.safetensors"))

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ("parallel3d-prepare-data", "parallel3d-convert-hf", "parallel3d-plan", "parallel3d-dry-run", "parallel3d-plot")
+SCRIPTS = ("parallel3d-prepare-data", "parallel3d-convert-hf", "parallel3d-plan", "parallel3d-dry-run",
+           "parallel3d-plot")
 
 
 @dataclass
@@ -47,8 +48,9 @@ def installed(tmp_path_factory) -> Installed:
     # This interpreter's packages (torch, hydra ...) behind the venv's own, by a .pth file: under a
     # venv, --system-site-packages would reach the base interpreter's instead. Plain paths, so that
     # the .pth files there (an editable install of this checkout) stay out.
-    venv_site = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    venv_site = subprocess.run([venv / "bin" / "python", "-c", purelib], capture_output=True, text=True,
+                               check=True).stdout.strip()
     Path(venv_site, "parent_site_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--no-deps", "-q",
                     str(wheel)], check=True)

@@ -86,7 +86,8 @@ def test_an_unwritable_run_dir_is_one_line_before_hydra(tmp_path):
 def test_a_quoted_run_dir_with_spaces_is_the_run_dir_and_nothing_else_is_made(tmp_path):
     run_dir = tmp_path / "a b"
     proc = subprocess.run([sys.executable, "-m", "parallel3d.train", f'run_dir="{run_dir}"', *FAST, "train.steps=1",
-                           "optim.warmup_steps=1"], capture_output=True, text=True, timeout=300, env=env(), cwd=tmp_path)
+                           "optim.warmup_steps=1"], capture_output=True, text=True, timeout=300, env=env(),
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["a b"]  # no ./"/..."/ tree beside it
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
