@@ -277,7 +277,7 @@ def save_full_model(parts: list[nn.Module], pp_mesh, path: Path, is_rank0: bool)
     """Gather the full weights of every stage onto rank 0 and write one safetensors file.
 
     For small models and tests (the whole model sits in rank 0's CPU memory); large models are
-    exported from a sharded checkpoint with ``tools/convert_hf.py``.
+    exported from a sharded checkpoint with ``parallel3d-convert-hf``.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -155,7 +155,7 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"  # stdlib: the Python standard library's source; file: a prepared token file
-    path: Optional[str] = None  # token file written by tools/prepare_data.py (source=file)
+    path: Optional[str] = None  # token file written by parallel3d-prepare-data (source=file)
     tokenizer: str = "byte"  # byte, or a path to a Hugging Face tokenizer.json
     max_bytes: int = 8_000_000  # stdlib corpus: stop after this much text
     cache_dir: str = "~/.cache/parallel3d"  # also where data.sources are tokenized to (keyed by content)

@@ -3,11 +3,13 @@
 ``report_failure`` writes the full traceback to ``run_dir/logs/rank<N>.log`` and prints one line
 (rank 0, or the failing rank for a problem of its own). ``PARALLEL3D_DEBUG=1`` prints the
 traceback on the console as well. Errors we can name (a corrupt file, an unwritable folder) are
-``RunError``s (parallel3d/base.py) whose message names the file and the fix.
+``RunError``s (parallel3d/base.py) whose message names the file and the fix. ``SweepFailures``
+keeps a one-process Hydra sweep going past a failed job and reports the failed ones at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -41,8 +43,13 @@ def log_path(run_dir: str | os.PathLike | None, rank: int) -> Path:
 
 
 def warnings_to_log(path: Path) -> None:
-    """Send this process's Python warnings to ``path`` instead of the console. Ranks other than 0
-    call it: a warning every rank raises is then printed once, by rank 0, and none is lost."""
+    """Send this process's warnings to ``path`` instead of the console. Ranks other than 0 call it:
+    a warning every rank raises is then printed once, by rank 0, and none is lost.
+
+    Two channels: Python's ``warnings`` (C++ TORCH_WARN arrives there too) and ``logging``, where
+    torch's own warnings go (DTensor's "CPU process group does not support alltoall", its notes on
+    sequential collectives): torch gives each logger it registers a console handler of its own,
+    and records of unconfigured loggers reach logging's last resort, which prints to stderr."""
     import warnings
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -50,6 +57,29 @@ def warnings_to_log(path: Path) -> None:
             f.write(warnings.formatwarning(message, category, filename, lineno, line))
 
     warnings.showwarning = show
+    _logging_to(path)
+
+
+_log_file = None  # where _logging_to last pointed the console handlers (several runs in one process)
+
+
+def _logging_to(path: Path) -> None:
+    """Point every logging handler that writes to the console, and logging's last resort, at ``path``."""
+    import logging
+
+    global _log_file
+    consoles = {id(s) for s in (sys.stderr, sys.__stderr__, sys.stdout, sys.__stdout__, _log_file) if s is not None}
+    log_file = open(path, "a", buffering=1)
+    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger))]
+    for handler in (h for logger in loggers for h in logger.handlers):
+        if type(handler) is logging.StreamHandler and id(handler.stream) in consoles:
+            handler.setStream(log_file)
+    logging.lastResort = logging.StreamHandler(log_file)
+    logging.lastResort.setLevel(logging.WARNING)
+    if _log_file is not None:
+        _log_file.close()
+    _log_file = log_file
 
 
 def one_line(error: BaseException) -> str:
@@ -72,3 +102,37 @@ def report_failure(error: BaseException, run_dir: str | None, rank: int) -> None
         hint = "" if debug() else f"; {DEBUG_ENV}=1 prints it here"
         print(f"parallel3d: error: {where}{one_line(error)} (traceback in {path}{hint})", file=sys.stderr,
               flush=True)
+
+
+class SweepFailures:
+    """Jobs of a one-process Hydra ``--multirun`` that failed. Each job's failure ends in
+    SystemExit, which would end the whole sweep: here it is noted and the next job runs; the
+    sweep reports them and exits 1 at the end. Outside a sweep a SystemExit passes unchanged."""
+
+    def __init__(self):
+        self.failed: list[tuple[int, int]] = []  # (job number, exit status)
+
+    @contextlib.contextmanager
+    def job(self):
+        try:
+            yield
+        except SystemExit as e:
+            number = _sweep_job_number()
+            if number is None or not e.code:
+                raise
+            self.failed.append((number, e.code))
+            print(f"parallel3d: sweep job {number} failed (exit {e.code}); going on with the next",
+                  file=sys.stderr, flush=True)
+
+    def exit_if_any(self) -> None:
+        if self.failed:
+            print(f"parallel3d: sweep jobs {[n for n, _ in self.failed]} failed", file=sys.stderr, flush=True)
+            sys.exit(EXIT_FAILED)
+
+
+def _sweep_job_number() -> int | None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    config = HydraConfig.get() if HydraConfig.initialized() else None
+    return config.job.num if config is not None and config.mode == RunMode.MULTIRUN else None

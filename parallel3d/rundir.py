@@ -44,9 +44,19 @@ def key_of(override: str) -> str:
 
 
 def given_run_dir(overrides: list[str]) -> str | None:
-    """The value of the last ``run_dir=`` override, or None."""
-    given = [o.split("=", 1)[1] for o in overrides if key_of(o) == "run_dir"]
-    return given[-1] if given else None
+    """The value of the last ``run_dir=`` override as Hydra reads it, or None: ``run_dir="/a b"``
+    names ``/a b`` (taken as it was typed, it made a stray ``./"/a b"/`` tree)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    given = [o for o in overrides if key_of(o) == "run_dir"]
+    if not given:
+        return None
+    try:
+        value = OverridesParser.create().parse_overrides([given[-1]])[0].value()
+    except HydraException:  # Hydra itself will say what is wrong with it
+        value = None
+    return value if isinstance(value, str) else given[-1].split("=", 1)[1]
 
 
 def run_dir_override(path: str | os.PathLike) -> str:

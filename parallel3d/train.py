@@ -32,8 +32,8 @@ from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.distributed import init_distributed, report_hangs_in
 from parallel3d.evaluate import Evaluator
 from parallel3d.guard import BadStepGuard, TrainingDiverged
-from parallel3d.failures import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, log_path, report_failure, warnings_to_log
-from parallel3d.launch.sweep import SweepFailures
+from parallel3d.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, log_path, report_failure,
+                                 warnings_to_log)
 from parallel3d.mesh import ParallelDims
 from parallel3d.meter import StepMeter
 from parallel3d.metrics import MetricsLogger, start_tensorboard, start_wandb

@@ -146,10 +146,13 @@ def _check_degrees(p, world_size: int) -> None:
                           "use -1 or a positive degree")
     product = p.dp_replicate * p.dp_shard * p.tp * p.pp * p.cp
     if product != world_size:
+        # dp_shard=-1 helps only where the other degrees divide the world size (not one process for a 3D recipe)
+        fits = world_size % (p.dp_replicate * p.tp * p.pp * p.cp) == 0
         raise ConfigError("parallel.dp_shard", p.dp_shard,
                           f"dp_replicate*dp_shard*tp*pp*cp = {p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp}*{p.cp} = "
                           f"{product} but the world size is {world_size}",
-                          f"make the product {world_size}, e.g. parallel.dp_shard=-1")
+                          f"make the product {world_size}, e.g. parallel.dp_shard=-1" if fits else
+                          f"start {product} ranks: parallel3d-run --nproc-per-node {product} with the same arguments")
 
 
 def _check_model(m, tp: int, pp: int) -> None:
@@ -320,7 +323,7 @@ def _check_optim(o, steps: int) -> None:
                           f"use one of {', '.join(OPTIM_IMPLEMENTATIONS)}")
     if not 0 <= o.warmup_steps <= steps:
         raise ConfigError("optim.warmup_steps", o.warmup_steps, f"must lie in 0..train.steps={steps}",
-                          f"use at most {steps} warmup steps")
+                          f"add optim.warmup_steps={min(steps, max(1, steps // 10))} (at most {steps})")
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1]", "use e.g. 0.1")
     if not 0 <= o.decay_fraction <= 1:
@@ -333,7 +336,7 @@ def _check_data(d, m) -> None:
     if d.source == "file":
         if not d.path:
             raise ConfigError("data.path", d.path, "data.source=file needs a token file",
-                              "prepare one with tools/prepare_data.py and pass data.path=FILE")
+                              "prepare one with parallel3d-prepare-data and pass data.path=FILE")
         if not Path(d.path).expanduser().is_file():
             raise ConfigError("data.path", d.path, "no such file", "check the path (relative paths start at the "
                               "directory you launch from)")

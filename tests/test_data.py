@@ -1,4 +1,4 @@
-"""Tokenizers, token files, tools/prepare_data.py, the stdlib corpus and the layout-invariant sampler."""
+"""Tokenizers, token files, parallel3d-prepare-data, the stdlib corpus and the layout-invariant sampler."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_text_files_order_pattern_and_max_bytes(tmp_path):
 
 
 def _prepare(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/prepare_data.py", *args], cwd=PROJECT_ROOT,
+    return subprocess.run([sys.executable, "-m", "parallel3d.cli.prepare_data", *args], cwd=PROJECT_ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -64,6 +64,7 @@ def test_one_process_reports_tokens_per_source_and_data_wait(mixture):
     assert [r["step"] for r in run.metrics if "val_loss" in r] == [5, 10]
 
 
+@pytest.mark.multirank
 def test_dp2_trains_the_same_and_its_ranks_split_tokenization(mixture):
     run = mixture.run("dp2", 2, ["checkpoint.every=5"])
     reference = single(mixture)
@@ -73,6 +74,7 @@ def test_dp2_trains_the_same_and_its_ranks_split_tokenization(mixture):
     assert mixture.tokenized_by("dp2") == {"rank 0", "rank 1"}
 
 
+@pytest.mark.multirank
 def test_pp2_tp2_trains_the_same(mixture):
     run = mixture.run("pp2-tp2", 4, ["parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=4"])
     assert relative_error(run.losses, single(mixture).losses) < 1e-5
@@ -80,6 +82,7 @@ def test_pp2_tp2_trains_the_same(mixture):
     assert mixture.tokenized_by("pp2-tp2") == {"rank 0", "rank 1", "rank 2", "rank 3"}  # five shards, four ranks
 
 
+@pytest.mark.multirank
 def test_resumed_at_another_layout_and_dp_degree_continues_the_same_tokens(mixture):
     saved = mixture.run("dp2", 2, ["checkpoint.every=5"])
     step5 = saved.run_dir / "checkpoints" / "step_5"

@@ -59,7 +59,7 @@ def test_a_bad_config_fails_before_anything_is_built():
 
 def test_llama3_405b_on_512_ranks_tp8_pp8_dp8():
     """The 405B recipe's layout (tp 8 x pp 8 interleaved x ZeRO-3 over 8), one rank, 8 micro batches
-    per step (the recipe's 32 take ~4x as long: tools/dry_run.py runs those)."""
+    per step (the recipe's 32 take ~4x as long: parallel3d-dry-run runs those)."""
     [r] = dry_run(["recipe=llama3_405b", "train.global_batch_size=64", "parallel.pp_microbatches=8"], 512, [0])
     assert r.coords == {"pp": 0, "dp_shard": 0, "tp": 0} and r.stages == [0, 8]
     # AdamW: two float32 moments per parameter plus a step counter per tensor.
@@ -393,7 +393,7 @@ def test_host_reads_are_recorded():
 
 
 def test_cli_prints_tables_and_writes_json(tmp_path, capsys):
-    import dry_run as cli
+    from parallel3d.cli import dry_run as cli
 
     out = tmp_path / "dry.json"
     assert cli.main(["--world-size", "2", "parallel.pp=2", "train.global_batch_size=4", "--json", str(out)]) == 0

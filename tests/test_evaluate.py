@@ -9,7 +9,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from parallel3d.config import DataConfig, EvalConfig, compose
@@ -100,6 +99,7 @@ def test_document_masking_changes_training(documents_reference, token_files, par
     assert relative_error(documents_reference.losses, plain.losses) > 1e-3
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_layouts_train_and_evaluate_alike(layout, documents_reference, token_files, parity):
     run = parity.train(layout, prefix="documents-", extra=document_overrides(token_files))

@@ -217,8 +217,7 @@ def test_a_failure_is_one_line_and_the_debug_switch_prints_the_traceback(tmp_pat
 
 
 def test_plan_layout_gpu_memory_is_gib_without_a_unit():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    from plan_layout import parse_bytes
+    from parallel3d.cli.plan_layout import parse_bytes
 
     assert parse_bytes("80") == parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("1024B") == 1024
@@ -245,6 +244,7 @@ os._exit(0)  # as parallel3d.train.main: gloo may abort in C++ static destructor
 """
 
 
+@pytest.mark.multirank
 def test_plain_torchrun_restarts_form_a_fresh_group(tmp_path):
     """pytorch#135712: without a store prefix per attempt, attempt 1 reads attempt 0's addresses
     from torchrun's shared store and gloo fails with "Connection refused" (measured with this probe
@@ -272,8 +272,7 @@ def test_a_hydra_multirun_goes_on_past_a_failed_job_and_reports_it(tmp_path):
 
 
 def test_the_dry_run_tool_shows_its_progress_rank_by_rank(capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import dry_run
+    from parallel3d.cli import dry_run
 
     assert dry_run.main(["parallel.pp=2", "train.seq_len=32", "--world-size", "2"]) == 0
     err = capsys.readouterr().err
@@ -295,16 +294,38 @@ def test_empty_or_truncated_token_data_is_named(tmp_path):
         TokenFile(path)
 
 
-def test_warnings_of_other_ranks_go_to_their_log_file(tmp_path, monkeypatch, capsys):
+def test_warnings_of_other_ranks_go_to_their_log_file(tmp_path, monkeypatch, capfd):
+    """Python warnings, torch's logged warnings (a console handler of torch's own) and other loggers'."""
+    import logging
     import warnings
 
-    from parallel3d.failures import warnings_to_log
+    import torch  # noqa: F401  (registers torch's loggers and their console handlers)
+    from parallel3d import failures
 
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after the test
+    # restored after the test
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setattr(logging, "lastResort", logging.lastResort)
+    monkeypatch.setattr(failures, "_log_file", None)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # a worker's root logger has none (pytest's has)
+    loggers = [x for x in logging.Logger.manager.loggerDict.values() if isinstance(x, logging.Logger)]
+    handlers = [(h, h.stream) for x in loggers for h in x.handlers if type(h) is logging.StreamHandler]
+    assert handlers, "torch no longer installs console handlers: drop that part of warnings_to_log"
     log = tmp_path / "rank1.log"
-    warnings_to_log(log)
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.warn("every rank says this")
-    assert "every rank says this" not in capsys.readouterr().err
-    assert "UserWarning: every rank says this" in log.read_text()
+    try:
+        for handler, _ in handlers:  # as in a worker process (torch was imported here under pytest's capture)
+            handler.setStream(sys.stderr)
+        failures.warnings_to_log(log)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("every rank says this")
+        logging.getLogger("torch.distributed.tensor._collective_utils").warning("torch says this on every rank")
+        logging.getLogger("some.library").warning("a library says this")
+    finally:
+        for handler, stream in handlers:
+            handler.setStream(stream)
+        failures._log_file.close()
+    printed = capfd.readouterr()
+    assert "says this" not in printed.err + printed.out
+    text = log.read_text()
+    assert "UserWarning: every rank says this" in text and "torch says this on every rank" in text
+    assert "a library says this" in text

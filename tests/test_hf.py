@@ -1,4 +1,4 @@
-"""Hugging Face interop: names, export with tools/convert_hf.py, import with checkpoint.init_from.
+"""Hugging Face interop: names, export with parallel3d-convert-hf, import with checkpoint.init_from.
 
 Tiny models train 10 steps (untied, tied, and with Llama 3.1 RoPE scaling), are exported, and must
 come back bit for bit through ``checkpoint.init_from`` and match ``transformers``' Llama to float32
@@ -7,7 +7,6 @@ rounding. Runs and exports are shared by the whole module.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -23,12 +22,12 @@ from safetensors.torch import load_file
 from conftest import FAST, Run, env, launch, relative_error
 from parallel3d import hf
 from parallel3d.checkpoint import Checkpointer, TrainState
+from parallel3d.cli import convert_hf
 from parallel3d.config import CheckpointConfig, ModelConfig, compose
 from parallel3d.models import Transformer
 
 # In-process DCP loads (no process group) say so on every call; that is the intent here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "convert_hf.py"
 # The rotary-scaled model: Llama 3.1's config at the tiny model's sizes. A short original context
 # makes the scaling change nearly every frequency at 64 tokens. (A null rope_scaling cannot be set
 # from the command line, so the 8B config, which has one, is the starting point.)
@@ -41,14 +40,6 @@ MODELS = {
 }
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("convert_hf", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-convert_hf = _load_tool()
 
 
 def model_config(overrides: list[str]) -> ModelConfig:
@@ -210,8 +201,8 @@ def test_export_streams_one_file_at_a_time(models, tmp_path, monkeypatch):
 
 def test_command_line_default_is_bfloat16(models, tmp_path):
     out = tmp_path / "bf16"
-    proc = subprocess.run([sys.executable, str(TOOL), "export", str(models.step_dir("untied")), str(out)],
-                          capture_output=True, text=True, timeout=120, env=env())
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli.convert_hf", "export", str(models.step_dir("untied")),
+                           str(out)], capture_output=True, text=True, timeout=120, env=env())
     assert proc.returncode == 0, proc.stderr
     full = load_file(str(models.export("untied") / "model.safetensors"))
     written = load_file(str(out / "model.safetensors"))

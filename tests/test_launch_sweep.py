@@ -9,7 +9,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import FAST, Run, env, relative_error
+from conftest import FAST, Run, env, refused_by_the_launcher, relative_error
 from parallel3d.launch.sweep import expand, plan
 
 
@@ -53,8 +53,9 @@ def test_sweep_over_layouts_runs_one_torchrun_per_job(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray Hydra output folders
 
 
-def test_a_bad_combination_stops_the_sweep_before_it_starts(tmp_path):
-    done = run_sweep([f"run_dir={tmp_path / 'sweep'}", "parallel.tp=2,3"], cwd=tmp_path)
-    assert done.returncode == 2
-    assert "sweep job 1 (parallel.tp=3)" in done.stderr and "parallel.tp" in done.stderr
+def test_a_bad_combination_stops_the_sweep_before_it_starts(tmp_path, monkeypatch, capsys):
+    code, stderr = refused_by_the_launcher(["--standalone", "--nproc-per-node=2", "--multirun",
+                                            f"run_dir={tmp_path / 'sweep'}", "parallel.tp=2,3"], monkeypatch, capsys)
+    assert code == 2
+    assert "sweep job 1 (parallel.tp=3)" in stderr and "parallel.tp" in stderr
     assert not (tmp_path / "sweep").exists()

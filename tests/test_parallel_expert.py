@@ -5,8 +5,6 @@ and ep2 x cp2 borrow the tp and cp ranks for ep (parallel/expert.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from safetensors.torch import load_file
 
@@ -44,6 +42,7 @@ def moe_reference(parity):
     return parity.run("moe-reference", 1, [*MOE, "train.micro_batch_size=16"])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_expert_parallel_layout_trains_like_one_process(parity, moe_reference, layout):
     run = parity.train(layout, prefix="moe-", extra=MOE)
@@ -75,6 +74,7 @@ def test_validation_names_the_key(overrides, world, key):
     assert str(err.value).startswith(key) and "Fix:" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.multirank
 def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_reference):
     """ep2 x dp4 (experts sharded over 2 expert-dp ranks too) saves at step 4; ep4 resumes there and
     saves at 8; one process resumes from that: every step after a resume and the final weights are
@@ -98,6 +98,7 @@ def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_reference):
                                load_file(str(source.run_dir / "model.safetensors")), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.multirank
 def test_capacity_drops_the_same_copies_in_every_layout(parity):
     """A capacity holds per forward on one rank (its micro batch's tokens): ep2 x dp2, with the
     micro batches of one process, drops the same copies in the first step and computes the same
@@ -180,15 +181,12 @@ def test_recomputed_blocks_exchange_their_tokens_again_as_planned(mode):
     assert report.comm["ep"]["all_to_all"].sent_bytes == planned
 
 
+@pytest.mark.multirank
 def test_hugging_face_weights_load_into_sharded_experts(parity, moe_reference):
     """A checkpoint exported in Qwen3-MoE's layout (one tensor per expert) starts ep2 x dp4, where each
     rank reads half of its ep rank's experts (FSDP over expert_dp), where it starts one process."""
-    import importlib.util
+    from parallel3d.cli import convert_hf
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "convert_hf.py"
-    spec = importlib.util.spec_from_file_location("convert_hf", tool)
-    convert_hf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert_hf)
     source = parity.train(SAVING, prefix="moe-", extra=MOE)
     export = parity.root / "moe-step8-hf"
     assert convert_hf.main(["export", str(source.run_dir / "checkpoints" / "step_8"), str(export)]) == 0

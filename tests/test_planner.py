@@ -367,7 +367,7 @@ def test_predict_validates_and_leaves_the_config_alone():
 
 
 def test_cli_ranks_and_breaks_down(tmp_path, capsys):
-    from plan_layout import main
+    from parallel3d.cli.plan_layout import main
 
     assert main(["model=llama3_1b", "--gpus", "8", "--seq-len", "2048", "--global-batch", "64", "--top", "3",
                  "--json", str(tmp_path / "plans.json")]) == 0

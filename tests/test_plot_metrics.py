@@ -1,9 +1,8 @@
-"""tools/plot_metrics.py: the lines drawn are the logged metrics, and the PNGs are real images."""
+"""parallel3d-plot: the lines drawn are the logged metrics, and the PNGs are real images."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -12,8 +11,7 @@ import numpy as np
 import pytest
 from matplotlib.colors import to_hex
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from plot_metrics import DEFAULT_METRICS, GIB, load_metrics, main, metric_figure, plot_runs, run_labels  # noqa: E402
+from parallel3d.cli.plot_metrics import DEFAULT_METRICS, GIB, load_metrics, main, metric_figure, plot_runs, run_labels
 
 
 def row(step: int, loss: float, **extra) -> dict:

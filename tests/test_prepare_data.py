@@ -1,4 +1,4 @@
-"""tools/prepare_data.py over sources: worker processes, the training cache, resuming after a kill."""
+"""parallel3d-prepare-data over sources: worker processes, the training cache, resuming after a kill."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from parallel3d.data import TokenFile, load_tokenizer, open_sources, write_token
 from parallel3d.data import sources as src
 from parallel3d.data.shards import is_heldout, shard_files
 
-TOOL = [sys.executable, "tools/prepare_data.py"]
+TOOL = [sys.executable, "-m", "parallel3d.cli.prepare_data"]
 
 
 def _env() -> dict:

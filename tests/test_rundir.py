@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FAST, env
 from parallel3d.rundir import (RunDirError, RunLock, given_run_dir, move_earlier_run_aside, own_run_dir,
                                release_run_dir, run_dir_override, shared_run_dir, unwritable_run_dir)
 
@@ -19,6 +20,8 @@ from parallel3d.rundir import (RunDirError, RunLock, given_run_dir, move_earlier
 def test_run_dir_parse_is_shared_by_the_launchers(tmp_path):
     assert given_run_dir(["a=1", "run_dir=x", "+run_dir=y"]) == "y"
     assert given_run_dir(["train.steps=2"]) is None
+    assert given_run_dir(['run_dir="/tmp/a b"']) == given_run_dir(["run_dir='/tmp/a b'"]) == "/tmp/a b"
+    assert given_run_dir(["run_dir=${oc.env:RUNS}/x"]) == "${oc.env:RUNS}/x"
     assert run_dir_override(tmp_path / "it's") == f"hydra.run.dir=${{p3d.rank0_dir:'{tmp_path}/it\\'s'}}"
 
 
@@ -78,3 +81,14 @@ def test_an_unwritable_run_dir_is_one_line_before_hydra(tmp_path):
     assert unwritable_run_dir(["train.py", f"run_dir={tmp_path / 'ok'}"]) is None
     with pytest.raises(RunDirError, match="not writable"):
         shared_run_dir(str(tmp_path / "file" / "run"))
+
+
+def test_a_quoted_run_dir_with_spaces_is_the_run_dir_and_nothing_else_is_made(tmp_path):
+    run_dir = tmp_path / "a b"
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.train", f'run_dir="{run_dir}"', *FAST, "train.steps=1",
+                           "optim.warmup_steps=1"], capture_output=True, text=True, timeout=300, env=env(),
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["a b"]  # no ./"/..."/ tree beside it
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+

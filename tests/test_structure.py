@@ -1,6 +1,6 @@
 """The package's shape, read from its source with ``ast``: no import cycles between modules (any
 import, those inside functions included), no function over 60 lines, and no library module that
-imports the entry points (``parallel3d.train``, ``parallel3d.launch``) above it."""
+imports the entry points (``parallel3d.train``, ``parallel3d.launch``, ``parallel3d.cli``) above it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import parallel3d
 
 PACKAGE = Path(parallel3d.__file__).resolve().parent
 MAX_FUNCTION_LINES = 60
-ENTRY_POINTS = ("parallel3d.train", "parallel3d.launch")
+ENTRY_POINTS = ("parallel3d.train", "parallel3d.launch", "parallel3d.cli")
 
 
 def _modules() -> dict[str, Path]:

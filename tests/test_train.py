@@ -141,6 +141,9 @@ def test_3d_recipe_trains_like_the_default_recipe(tmp_path):
     three_d = launch(tmp_path / "3d", ["recipe=tiny_cpu_3d", *short], nproc=8, launcher="parallel3d-run")
     single.assert_finished(3), three_d.assert_finished(3)
     assert relative_error(three_d.losses, single.losses) < 1e-5
+    # torch logs these on every rank; the ranks but 0 send them to their log files (warnings_to_log)
+    for warning in ("CPU process group does not support alltoall", "from (_NormPartial(2.0), _NormPartial(2.0))"):
+        assert three_d.stderr.count(warning) == 1, three_d.stderr[-3000:]
 
 
 def test_a_literal_run_dir_is_also_hydras_output_dir(tmp_path):

@@ -8,13 +8,15 @@ import sys
 import pytest
 import torch
 
-from conftest import env
+from conftest import env, refused_by_the_launcher
 from parallel3d.config import compose
 from parallel3d.validate import ConfigError, check
 
 # (overrides, world size, key the message must name, words it must contain)
 BAD = [
     (["parallel.dp_shard=3"], 4, "parallel.dp_shard", "world size is 4"),
+    # one process cannot run a 3D recipe at any dp_shard: the fix is the launch
+    (["recipe=tiny_cpu_3d"], 1, "parallel.dp_shard", "start 8 ranks: parallel3d-run --nproc-per-node 8"),
     (["parallel.dp_replicate=3"], 4, "parallel.dp_shard", "not divisible"),
     (["parallel.dp_shard=0"], 1, "parallel.dp_shard", "must be >= 1"),
     (["parallel.tp=0"], 1, "parallel.tp", ">= 1"),
@@ -65,10 +67,11 @@ BAD = [
     (["optim.schedule=linear"], 1, "optim.schedule", "cosine, wsd, constant"),
     (["optim.implementation=cuda"], 1, "optim.implementation", "fused"),
     (["optim.warmup_steps=1000"], 1, "optim.warmup_steps", "train.steps=60"),
+    (["train.steps=5"], 1, "optim.warmup_steps", "Fix: add optim.warmup_steps=1 (at most 5)"),
     (["optim.min_lr_ratio=2"], 1, "optim.min_lr_ratio", "[0, 1]"),
     (["optim.decay_fraction=-0.5"], 1, "optim.decay_fraction", "[0, 1]"),
     (["data.source=web"], 1, "data.source", "stdlib or file"),
-    (["data=tokens"], 1, "data.path", "prepare_data.py"),
+    (["data=tokens"], 1, "data.path", "parallel3d-prepare-data"),
     (["data=tokens", "data.path=/nonexistent/corpus.bin"], 1, "data.path", "no such file"),
     (["data.tokenizer=/nonexistent/tokenizer.json"], 1, "data.tokenizer", "tokenizer.json"),
     (["model.vocab_size=200"], 1, "model.vocab_size", "257"),
@@ -154,25 +157,23 @@ def test_train_prints_one_clean_line(tmp_path):
 
 @pytest.mark.parametrize("override,word", [("train.stepz=3", "train.stepz"), ("train.steps=abc", "train.steps"),
                                            ("recipe=llama3_9b", "llama3_9b")])
-def test_unknown_keys_and_wrong_types_are_refused_by_the_schema(override, word, tmp_path):
+def test_unknown_keys_and_wrong_types_are_refused_by_the_schema(override, word, tmp_path, monkeypatch, capsys):
     _assert_clean(_run(["-m", "parallel3d.train", override], tmp_path), word)
-    launcher = _run(["-m", "parallel3d.launch.run", "--nproc-per-node=2", override], tmp_path)
-    _assert_clean(launcher, word)
-    assert launcher.returncode == 2 and len(launcher.stderr.strip().splitlines()) == 1, launcher.stderr
+    code, stderr = refused_by_the_launcher(["--nproc-per-node=2", override], monkeypatch, capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and word in stderr, stderr
 
 
-def test_launcher_validates_for_the_torchrun_world_size_without_starting_it(tmp_path):
-    proc = _run(["-m", "parallel3d.launch.run", "--nproc-per-node=4", "parallel.dp_shard=3"], tmp_path)
-    _assert_clean(proc, "parallel.dp_shard=3", "world size is 4")
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "OMP_NUM_THREADS" not in proc.stderr  # torchrun never started
+def test_launcher_validates_for_the_torchrun_world_size_without_starting_it(monkeypatch, capsys):
+    code, stderr = refused_by_the_launcher(["--nproc-per-node=4", "parallel.dp_shard=3"], monkeypatch, capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "parallel.dp_shard=3" in stderr and "world size is 4" in stderr
 
 
-def test_launcher_checks_every_size_of_an_elastic_node_range(tmp_path):
+def test_launcher_checks_every_size_of_an_elastic_node_range(monkeypatch, capsys):
     # 1 node x 2 ranks fits a global batch of 4 with micro batch 2; 2 nodes x 2 ranks do not.
-    proc = _run(["-m", "parallel3d.launch.run", "--nnodes=1:2", "--nproc-per-node=2",
-                 "train.global_batch_size=4", "train.micro_batch_size=2"], tmp_path)
-    _assert_clean(proc, "train.global_batch_size=4", "world size 4")
+    code, stderr = refused_by_the_launcher(["--nnodes=1:2", "--nproc-per-node=2", "train.global_batch_size=4",
+                                            "train.micro_batch_size=2"], monkeypatch, capsys)
+    assert code == 2 and "train.global_batch_size=4" in stderr and "world size 4" in stderr, stderr
 
 
 @pytest.mark.multirank

@@ -6,7 +6,7 @@
 Writes a corpus of jsonl shards (this Python's standard library sources as documents), trains
 a BPE tokenizer of 8k tokens on a sample of it (no download), then measures
   * the tokenizer's own batch encode (``Tokenizer.encode_batch``) on one core and on all cores,
-  * tools/prepare_data.py's path (read, encode, write the token files) with 1, 2, ... workers,
+  * parallel3d-prepare-data's path (read, encode, write the token files) with 1, 2, ... workers,
   * ``data_wait_s`` of a short training run of the tiny model on those shards.
 Prints markdown tables for BENCHMARKS.md.
 """
@@ -76,7 +76,7 @@ def batch_encode_rate(tokenizer_path: Path, texts: list[str], threads: str) -> t
 def prepare_rate(sources: list[str], tokenizer: Path, workers: int, cache: Path) -> tuple[float, float]:
     """Tokens per wall second and per CPU second (the tool and its workers, start-up included)."""
     start, cpu = time.perf_counter(), _children_cpu_s()
-    subprocess.run([sys.executable, "tools/prepare_data.py", *[a for s in sources for a in ("--source", s)],
+    subprocess.run([sys.executable, "-m", "parallel3d.cli.prepare_data", *[a for s in sources for a in ("--source", s)],
                           "--cache-dir", str(cache), "--workers", str(workers), "--tokenizer", str(tokenizer)],
                          cwd=ROOT, capture_output=True, text=True, check=True, env={**os.environ, "TQDM_DISABLE": "1"})
     wall, cpu = time.perf_counter() - start, _children_cpu_s() - cpu

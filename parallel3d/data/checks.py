@@ -58,7 +58,7 @@ def _check_token_file(path: Path, model_vocab: int, key: str = "data.path") -> N
     meta_path = path.with_suffix(".json")
     if not meta_path.is_file():
         raise ConfigError(key, path, f"{meta_path.name} is missing beside it",
-                          "write token files with tools/prepare_data.py (it writes both)")
+                          "write token files with parallel3d-prepare-data (it writes both)")
     vocab = json.loads(meta_path.read_text())["vocab_size"]
     if vocab > model_vocab:
         raise ConfigError(key, path, f"its tokens come from a vocabulary of {vocab}, larger than "
@@ -112,7 +112,7 @@ def check_corpus(corpus, seq_len: int, data_cfg) -> None:
     if size < seq_len + 1:
         raise RunError(f"{where or 'the corpus'} holds {size} tokens, fewer than one sequence of "
                        f"train.seq_len={seq_len} needs ({seq_len + 1}). Fix: prepare more data "
-                       f"(tools/prepare_data.py) or lower train.seq_len")
+                       f"(parallel3d-prepare-data) or lower train.seq_len")
 
 
 def check_heldout(corpus, *, seq_len: int, global_batch_size: int, eval_cfg) -> None:

@@ -62,7 +62,7 @@ def _checked_token_file(path: str, cache_dir: str) -> TokenFile:
     path = Path(path).expanduser()
     problem = prepared_file_problem(path, Path(cache_dir).expanduser() / "digests")
     if problem:
-        raise RunError(f"{path}: {problem}. Fix: write it again with tools/prepare_data.py")
+        raise RunError(f"{path}: {problem}. Fix: write it again with parallel3d-prepare-data")
     return TokenFile(path)
 
 
@@ -77,7 +77,7 @@ def open_sources(paths: list[str], data_cfg, heldout_fraction: float, workers: W
                            workers.rank, workers.world_size, workers.barrier) if flat else []
     sources, i = [], 0
     for name, path, group in zip(_unique_names(paths), paths, shards):
-        if is_token_file(path):  # prepared ahead (tools/prepare_data.py): all of it is what it was made for
+        if is_token_file(path):  # prepared ahead (parallel3d-prepare-data): all of it is what it was made for
             arrays = [] if heldout else [_checked_token_file(path, data_cfg.cache_dir).tokens]
         else:
             arrays = [TokenFile(f.heldout if heldout else f.train).tokens for f in files[i : i + len(group)]]

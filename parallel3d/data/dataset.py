@@ -77,17 +77,17 @@ class TokenFile:
         path = Path(path).expanduser()
         meta_path = path.with_suffix(".json")
         if not meta_path.is_file():
-            raise FileNotFoundError(f"{meta_path} is missing: was {path} written by tools/prepare_data.py?")
+            raise FileNotFoundError(f"{meta_path} is missing: was {path} written by parallel3d-prepare-data?")
         try:
             self.meta = json.loads(meta_path.read_text())
             expected = self.meta["num_tokens"] * np.dtype(self.meta["dtype"]).itemsize
         except (ValueError, KeyError, TypeError) as e:
             raise RunError(f"{meta_path} is corrupt ({type(e).__name__}). Fix: write {path} again with "
-                           f"tools/prepare_data.py") from e
+                           f"parallel3d-prepare-data") from e
         size = path.stat().st_size if path.is_file() else None
         if size != expected:  # a short file would fail inside np.memmap, naming neither file nor fix
             raise RunError(f"{path} is {size} bytes but {meta_path.name} says {expected} (truncated, or written "
-                           f"by another run). Fix: write it again with tools/prepare_data.py")
+                           f"by another run). Fix: write it again with parallel3d-prepare-data")
         self.path = path
         # An empty file (a shard whose documents were all held out, or none were) cannot be mapped.
         self.tokens = (np.memmap(path, dtype=self.meta["dtype"], mode="r", shape=(self.meta["num_tokens"],))

@@ -53,7 +53,7 @@ class Shard:
 
 
 def is_token_file(source: str) -> bool:
-    """A token file written by tools/prepare_data.py (NAME.bin with NAME.json beside it): already
+    """A token file written by parallel3d-prepare-data (NAME.bin with NAME.json beside it): already
     tokenized, read as it is."""
     path = Path(source).expanduser()
     return path.suffix == ".bin" and path.is_file() and path.with_suffix(".json").is_file()

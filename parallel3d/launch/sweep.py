@@ -10,18 +10,15 @@ come in the order Hydra's basic sweeper would run them. Each job gets its own ru
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel3d.failures import EXIT_FAILED
 from parallel3d.rundir import MULTIRUN_FLAGS, given_run_dir, hydra_settings, key_of, run_dir_override
 
-__all__ = ["MULTIRUN_FLAGS", "Job", "expand", "key_of", "plan", "record", "sweep_dir", "SweepFailures"]
+__all__ = ["MULTIRUN_FLAGS", "Job", "expand", "key_of", "plan", "record", "sweep_dir"]
 
 
 @dataclass
@@ -71,37 +68,3 @@ def record(jobs: list[Job]) -> Path:
 def sweep_dir(overrides: list[str]) -> str:
     """``hydra.sweep.dir`` as Hydra would resolve it for a sweep started now."""
     return str(hydra_settings(overrides).sweep.dir)
-
-
-class SweepFailures:
-    """Jobs of a one-process Hydra ``--multirun`` that failed. Each job's failure ends in
-    SystemExit, which would end the whole sweep: here it is noted and the next job runs; the
-    sweep reports them and exits 1 at the end. Outside a sweep a SystemExit passes unchanged."""
-
-    def __init__(self):
-        self.failed: list[tuple[int, int]] = []  # (job number, exit status)
-
-    @contextlib.contextmanager
-    def job(self):
-        try:
-            yield
-        except SystemExit as e:
-            number = _sweep_job_number()
-            if number is None or not e.code:
-                raise
-            self.failed.append((number, e.code))
-            print(f"parallel3d: sweep job {number} failed (exit {e.code}); going on with the next",
-                  file=sys.stderr, flush=True)
-
-    def exit_if_any(self) -> None:
-        if self.failed:
-            print(f"parallel3d: sweep jobs {[n for n, _ in self.failed]} failed", file=sys.stderr, flush=True)
-            sys.exit(EXIT_FAILED)
-
-
-def _sweep_job_number() -> int | None:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    config = HydraConfig.get() if HydraConfig.initialized() else None
-    return config.job.num if config is not None and config.mode == RunMode.MULTIRUN else None

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Tokenize data sources ahead of training, in parallel worker processes; resumable.
 
-    python tools/prepare_data.py --source DATA [--source MORE ...] --cache-dir DIR [--workers N]
-                                 [--tokenizer byte|path/to/tokenizer.json] [--text-field text]
-                                 [--eval-fraction F]
+    parallel3d-prepare-data --source DATA [--source MORE ...] --cache-dir DIR [--workers N]
+                            [--tokenizer byte|path/to/tokenizer.json] [--text-field text]
+                            [--eval-fraction F]
 
 Each source is what ``data.sources`` accepts (.jsonl/.jsonl.gz/.json, .parquet, folders or globs
 of them, datasets.save_to_disk folders, text folders). Every shard is tokenized into DIR under
@@ -17,7 +17,7 @@ redone, and finished ones that no longer match their checksum are rebuilt. Its w
 it (even on kill -9); SIGTERM or Ctrl-C stops them with one line. The one-file form of earlier
 versions still works:
 
-    python tools/prepare_data.py --input DIR --output corpus.bin [--pattern "**/*.txt"]
+    parallel3d-prepare-data --input DIR --output corpus.bin [--pattern "**/*.txt"]
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 """Dry-run a layout on this CPU: the real program for chosen ranks, on fake tensors and torch's fake
 process group, reporting each rank's memory and the bytes its collectives move in one step.
 
-    python tools/dry_run.py --world-size 512 recipe=llama3_405b              # tp 8 x pp 8 x dp 8
-    python tools/dry_run.py --world-size 512 recipe=llama3_405b parallel.pp_schedule=1F1B \\
+    parallel3d-dry-run --world-size 512 recipe=llama3_405b              # tp 8 x pp 8 x dp 8
+    parallel3d-dry-run --world-size 512 recipe=llama3_405b parallel.pp_schedule=1F1B \\
         parallel.pp_stages_per_rank=null train.global_batch_size=128 --ranks 0,448 --json out.json
 
 Ranks default to the first of each pipeline stage. Memory is tensor memory (params, grads,
@@ -21,10 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from parallel3d.dryrun import RankReport, dry_run  # noqa: E402
-from parallel3d.validate import ConfigError  # noqa: E402
+from parallel3d.dryrun import RankReport, dry_run
+from parallel3d.validate import ConfigError
 
 UNITS = {"GiB": 2**30, "MiB": 2**20}
 # MemTracker's categories at the peak, in the order printed.

@@ -2,8 +2,8 @@
 """Export a parallel3d checkpoint as a Hugging Face folder (Llama, Qwen3, Qwen3-MoE or Mixtral: see
 parallel3d/hf.py): safetensors files + config.json.
 
-    python tools/convert_hf.py export CHECKPOINT OUT_DIR [--dtype bfloat16|float32|float16]
-                                                         [--max-shard-size 5GB]
+    parallel3d-convert-hf export CHECKPOINT OUT_DIR [--dtype bfloat16|float32|float16]
+                                                   [--max-shard-size 5GB]
 
 CHECKPOINT is a ``step_<N>`` folder, or a run_dir or its checkpoints/ folder (then its newest
 complete checkpoint). OUT_DIR gets ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``

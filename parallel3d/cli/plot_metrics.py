@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Plot the metrics.jsonl of one or more runs, overlaid, as PNGs: compare runs without wandb.
 
-    python tools/plot_metrics.py outputs/2025-06-01/12-00-00 /tmp/run_b/metrics.jsonl --out plots --smooth 10
+    parallel3d-plot outputs/2025-06-01/12-00-00 /tmp/run_b/metrics.jsonl --out plots --smooth 10
 
 Writes one PNG per metric (``loss.png``, ``tokens_per_sec.png``, ...) with each run as a line over
 the step, and ``summary.png`` with all of them in a grid. A run keeps its color in every plot and

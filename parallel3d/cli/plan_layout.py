@@ -3,12 +3,12 @@
 
 Rank every layout of a model on a cluster (fastest first, the recommended one starred):
 
-    python tools/plan_layout.py model=llama3_8b --gpus 64 --gpus-per-node 8 --gpu-memory 80GiB \\
+    parallel3d-plan model=llama3_8b --gpus 64 --gpus-per-node 8 --gpu-memory 80GiB \\
         --seq-len 8192 --global-batch 1024 [--top 10] [--json plans.json]
 
 Break down one configured layout (a recipe, with any overrides):
 
-    python tools/plan_layout.py recipe=llama3_70b parallel.pp=2 --world-size 64
+    parallel3d-plan recipe=llama3_70b parallel.pp=2 --world-size 64
 
 Positional arguments are Hydra overrides, as for ``python -m parallel3d.train``; the batch,
 sequence length and dtypes default to the composed config's. Memory is per rank (the largest),
@@ -102,7 +102,7 @@ def _grid(rows: list[list[str]]) -> str:
     return "\n".join("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: model=..., recipe=..., parallel.tp=...")
@@ -119,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, help="sequences per step; default: the config's")
     parser.add_argument("--top", type=int, default=10, help="rows of the ranking to print (default 10)")
     parser.add_argument("--json", help="write the plans (ranking, or the one layout) to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     from parallel3d.config import compose
     from parallel3d.planner import Hardware, predict, rank_layouts
