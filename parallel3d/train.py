@@ -22,6 +22,7 @@ import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint import CheckpointException
 
 from parallel3d import hf
 from parallel3d.base import ConfigError, resolve_device, world_size_from_env
@@ -37,7 +38,8 @@ from parallel3d.metrics import MetricsLogger, max_memory_bytes, model_state_byte
 from parallel3d.models import Transformer, flops_per_token, num_params
 from parallel3d.parallel.expert import moe_statistics
 from parallel3d.progress import Progress
-from parallel3d.resume import check_hf_weights, check_not_past_end, pick_checkpoint, report_changes
+from parallel3d.resume import (check_hf_weights, check_not_past_end, pick_checkpoint, report_changes,
+                               verify_init_from)
 from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
                                shared_run_dir, unwritable_run_dir)
 from parallel3d.signals import StopSignals, Stopped
@@ -242,7 +244,7 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
     """Resume (or load initial weights) as checkpoint.* says: the step done, and the data offset."""
     for path in checkpointer.remove_incomplete():
         print(f"parallel3d: removed incomplete checkpoint {path} (a save that did not finish)", flush=True)
-    path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=is_rank0)
+    path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=is_rank0, verify=c.checkpoint.verify)
     if path is not None:
         step = check_not_past_end(path, c.train.steps)
         if is_rank0:
@@ -260,6 +262,8 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
         init_from = Path(c.checkpoint.init_from).expanduser()
         if hf.is_hf_dir(init_from):
             check_hf_weights(init_from)
+        else:
+            verify_init_from(init_from, c.checkpoint.verify, announce=is_rank0)
         checkpointer.load_weights(init_from, state, c.model)
     return 0, 0
 
@@ -300,7 +304,7 @@ def run_job(cfg: DictConfig) -> None:
         sys.exit(EXIT_REQUEUE)
     except KeyboardInterrupt:  # a second Ctrl-C
         sys.exit(EXIT_INTERRUPTED)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         report_failure(e, _known_run_dir(cfg), rank())
         if rank() != 0:
             time.sleep(2)
