@@ -103,7 +103,8 @@ def verify_manifest(folder: Path, mode: str, *, ignore: Iterable[str] = ()) -> s
         if not path.is_file():
             return f"{path} is missing"
         if (size := path.stat().st_size) != entry["size"]:
-            return f"{path}: size {size} != {entry['size']} in the manifest"
+            how = "truncated" if size < entry["size"] else "overwritten or appended to"
+            return f"{path}: size {size} != {entry['size']} in the manifest ({how})"
     patterns = (MANIFEST, MANIFEST + ".tmp", *ignore)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         name = path.relative_to(folder).as_posix()

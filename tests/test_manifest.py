@@ -39,7 +39,7 @@ def test_each_kind_of_damage_is_named(tmp_path):
                                                    f"{crc32_of(folder / 'a.bin'):08x}, manifest "
                                                    f"{read_manifest(folder)['files']['a.bin']['crc32']})")
     (folder / "a.bin").write_bytes(bytes(data[:-5]))
-    assert verify_manifest(folder, "size") == f"{folder / 'a.bin'}: size 25595 != 25600 in the manifest"
+    assert verify_manifest(folder, "size") == f"{folder / 'a.bin'}: size 25595 != 25600 in the manifest (truncated)"
     (folder / "a.bin").unlink()
     assert verify_manifest(folder, "size") == f"{folder / 'a.bin'} is missing"
 
