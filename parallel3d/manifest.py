@@ -1,11 +1,12 @@
 """A folder's manifest: each file's size and checksum, written when the folder is complete and
 checked before anything in it is used.
 
-``manifest.json`` maps each file (its path relative to the folder) to its size in bytes and its
-CRC-32. CRC-32 (zlib) detects truncation, flipped bits and overwritten blocks, and reads faster
-than any cryptographic hash here (BENCHMARKS.md): it guards against accidents, not against an
-attacker who can rewrite the manifest too. Files are hashed in parallel threads (zlib releases
-the GIL on large buffers).
+``manifest.json`` maps each file (its path relative to the folder) to its size in bytes and the
+CRC-32 of each 64 MiB block of it. CRC-32 (zlib) detects truncation, flipped bits and overwritten
+blocks, and reads faster than any cryptographic hash here (BENCHMARKS.md): it guards against
+accidents, not against an attacker who can rewrite the manifest too. Blocks are hashed in
+parallel threads (zlib releases the GIL on large buffers), so one large file (a single rank's
+shard) does not hash on one core.
 
     write_manifest(folder, files)                 # after the files, before the folder's marker
     verify_manifest(folder, "checksum")           # None, or one line: which file, what is wrong
@@ -25,7 +26,8 @@ from typing import Iterable
 
 MANIFEST = "manifest.json"
 VERIFY_MODES = ("checksum", "size", "none")
-_CHUNK = 8 << 20
+_CHUNK = 8 << 20  # bytes read at a time: what each thread holds
+BLOCK = 64 << 20  # bytes per CRC: the unit of parallel hashing
 _FORMAT = 1
 
 
@@ -33,19 +35,27 @@ class ManifestMissing(FileNotFoundError):
     """The folder was written without a manifest (by an older version, say): nothing to check against."""
 
 
-def crc32_of(path: Path) -> int:
-    """CRC-32 of a file's bytes, read in chunks (constant memory)."""
-    crc = 0
+def crc32_of(path: Path, start: int = 0, length: int | None = None) -> int:
+    """CRC-32 of ``length`` bytes of a file from ``start`` (to its end by default), read in chunks."""
+    crc, remaining = 0, float("inf") if length is None else length
+    buffer = bytearray(_CHUNK)
     with open(path, "rb", buffering=0) as f:
-        buffer = bytearray(_CHUNK)
-        view = memoryview(buffer)
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
+        f.seek(start)
+        while remaining > 0 and (n := f.readinto(memoryview(buffer)[: int(min(_CHUNK, remaining))])):
+            crc = zlib.crc32(memoryview(buffer)[:n], crc)
+            remaining -= n
     return crc
 
 
-def _threads(count: int) -> int:
-    return max(1, min(count, os.cpu_count() or 1, 16))
+def block_crcs(folder: Path, sizes: dict[str, int], block: int) -> dict[str, list[str]]:
+    """Each file's CRC-32 per ``block`` bytes (hex), the blocks of all files hashed in parallel threads."""
+    blocks = [(name, start) for name, size in sizes.items() for start in range(0, max(size, 1), block)]
+    with ThreadPoolExecutor(max(1, min(len(blocks), os.cpu_count() or 1, 16))) as pool:
+        crcs = pool.map(lambda b: crc32_of(folder / b[0], b[1], block), blocks)
+        found: dict[str, list[str]] = {name: [] for name in sizes}
+        for (name, _), crc in zip(blocks, crcs):
+            found[name].append(f"{crc:08x}")
+    return found
 
 
 def write_manifest(folder: Path, files: Iterable[str | Path]) -> dict:
@@ -54,11 +64,10 @@ def write_manifest(folder: Path, files: Iterable[str | Path]) -> dict:
     folder = Path(folder)
     names = sorted({Path(f).relative_to(folder).as_posix() if Path(f).is_absolute() else Path(f).as_posix()
                     for f in files})
-    with ThreadPoolExecutor(_threads(len(names))) as pool:
-        crcs = list(pool.map(lambda name: crc32_of(folder / name), names))
-    manifest = {"format": _FORMAT, "checksum": "crc32",
-                "files": {name: {"size": (folder / name).stat().st_size, "crc32": f"{crc:08x}"}
-                          for name, crc in zip(names, crcs)}}
+    sizes = {name: (folder / name).stat().st_size for name in names}
+    crcs = block_crcs(folder, sizes, BLOCK)
+    manifest = {"format": _FORMAT, "checksum": "crc32", "block_bytes": BLOCK,
+                "files": {name: {"size": sizes[name], "crc32": crcs[name]} for name in names}}
     tmp = folder / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -93,7 +102,8 @@ def verify_manifest(folder: Path, mode: str, *, ignore: Iterable[str] = ()) -> s
         return None
     folder = Path(folder)
     try:
-        listed = read_manifest(folder)["files"]
+        manifest = read_manifest(folder)
+        listed, block = manifest["files"], manifest.get("block_bytes", BLOCK)
     except (ValueError, OSError) as e:
         if isinstance(e, ManifestMissing):
             raise
@@ -111,10 +121,12 @@ def verify_manifest(folder: Path, mode: str, *, ignore: Iterable[str] = ()) -> s
         if name not in listed and not any(fnmatch.fnmatch(name, p) for p in patterns):
             return f"{path} is not in the manifest"
     if mode == "checksum":
-        names = sorted(listed)
-        with ThreadPoolExecutor(_threads(len(names))) as pool:
-            crcs = list(pool.map(lambda name: crc32_of(folder / name), names))
-        for name, crc in zip(names, crcs):
-            if f"{crc:08x}" != listed[name]["crc32"]:
-                return f"{folder / name}: checksum mismatch (crc32 {crc:08x}, manifest {listed[name]['crc32']})"
+        found = block_crcs(folder, {name: entry["size"] for name, entry in listed.items()}, block)
+        for name in sorted(listed):
+            for i, (got, want) in enumerate(zip(found[name], listed[name]["crc32"])):
+                if got != want:
+                    start = i * block
+                    end = min(start + block, listed[name]["size"])
+                    return (f"{folder / name}: checksum mismatch in bytes {start}..{end} "
+                            f"(crc32 {got}, manifest {want})")
     return None
