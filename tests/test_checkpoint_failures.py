@@ -24,7 +24,7 @@ from parallel3d.config import CheckpointConfig, ModelConfig
 from parallel3d.failures import report_failure
 from parallel3d.manifest import MANIFEST, read_manifest
 from parallel3d.models import Transformer
-from parallel3d.resume import checkpoint_problem, pick_checkpoint
+from parallel3d.resume import checkpoint_problem, pick_checkpoint, verify_init_from
 
 SAVING = [*FAST, "train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0", "parallel.dp_shard=2"]
 
@@ -162,6 +162,19 @@ def test_a_checkpoint_without_a_manifest_loads_with_a_warning(tmp_path, capsys):
     (tmp_path / "checkpoints" / "step_1" / MANIFEST).unlink()
     assert pick_checkpoint(tmp_path / "checkpoints", "auto", announce=True) == tmp_path / "checkpoints" / "step_1"
     assert "has no manifest.json (written before checkpoints had manifests)" in capsys.readouterr().err
+
+
+def test_a_damaged_seed_checkpoint_is_refused_as_init_from(tmp_path):
+    Checkpointer(tmp_path, CheckpointConfig()).save(0, TrainState(_state().parts), {"samples_seen": 0}, "")
+    step0 = tmp_path / "checkpoints" / "step_0"
+    assert "rng/rank_0.safetensors" in read_manifest(step0)["files"]  # seed checkpoints get manifests too
+    verify_init_from(step0, "checksum", announce=False)
+    shard = next(step0.glob("shard-*.safetensors"))
+    _flip(shard, shard.stat().st_size - 1)
+    verify_init_from(step0, "size", announce=False)  # same size: only the checksum sees it
+    with pytest.raises(CheckpointError, match=rf"checkpoint.init_from={step0}: .*{shard.name}: checksum mismatch "
+                                              r"in bytes .*Fix: write the seed checkpoint again"):
+        verify_init_from(step0, "checksum", announce=False)
 
 
 def test_a_non_finite_state_is_not_saved_and_the_good_checkpoint_stays(tmp_path):
