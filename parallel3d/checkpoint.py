@@ -8,7 +8,7 @@
     meta.json                  step, data position, LR scheduler (for reference: a resumed run
                                takes its schedule from its config), the layout it was saved at
     config.yaml                the resolved config of the run that saved it
-    manifest.json              every file above with its size and CRC-32 (parallel3d/manifest.py),
+    manifest.json              every file above with its size and XXH3 hashes (parallel3d/manifest.py),
                                checked before a resume loads anything (resume.pick_checkpoint)
     COMPLETE                   written last: a folder without it is ignored, then removed
 

@@ -203,7 +203,7 @@ class CheckpointConfig:
     init_from: Optional[str] = None
     create_seed: bool = False  # initialize, save checkpoints/step_0 (weights only) and stop
     # Before a checkpoint is loaded its files are checked against its manifest.json: checksum
-    # (sizes and CRC-32s), size (sizes only), none. One that fails is never loaded.
+    # (sizes and hashes), size (sizes only), none. One that fails is never loaded.
     verify: str = "checksum"
 
 

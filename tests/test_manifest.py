@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from parallel3d.manifest import MANIFEST, ManifestMissing, crc32_of, read_manifest, verify_manifest, write_manifest
+from parallel3d.manifest import MANIFEST, ManifestMissing, hash_of, read_manifest, verify_manifest, write_manifest
 import parallel3d.manifest as manifest_module
 
 
@@ -23,7 +23,7 @@ def test_a_clean_folder_verifies_in_every_mode(tmp_path):
     manifest = read_manifest(folder)
     assert set(manifest["files"]) == {"a.bin", "sub/b.bin"}
     assert manifest["files"]["a.bin"]["size"] == 25600
-    assert manifest["files"]["a.bin"]["crc32"] == [f"{crc32_of(folder / 'a.bin'):08x}"]
+    assert manifest["checksum"] == "xxh3_64" and manifest["files"]["a.bin"]["xxh3_64"] == [hash_of(folder / "a.bin")]
     for mode in ("checksum", "size", "none"):
         assert verify_manifest(folder, mode) is None
     with pytest.raises(ValueError, match="verify mode"):
@@ -37,8 +37,8 @@ def test_each_kind_of_damage_is_named(tmp_path):
     (folder / "a.bin").write_bytes(bytes(data))
     assert verify_manifest(folder, "size") is None
     assert verify_manifest(folder, "checksum") == (f"{folder / 'a.bin'}: checksum mismatch in bytes 0..25600 "
-                                                   f"(crc32 {crc32_of(folder / 'a.bin'):08x}, manifest "
-                                                   f"{read_manifest(folder)['files']['a.bin']['crc32'][0]})")
+                                                   f"(xxh3_64 {hash_of(folder / 'a.bin')}, manifest "
+                                                   f"{read_manifest(folder)['files']['a.bin']['xxh3_64'][0]})")
     (folder / "a.bin").write_bytes(bytes(data[:-5]))
     assert verify_manifest(folder, "size") == f"{folder / 'a.bin'}: size 25595 != 25600 in the manifest (truncated)"
     (folder / "a.bin").unlink()
@@ -49,8 +49,8 @@ def test_large_files_hash_in_blocks_and_a_flip_names_its_block(tmp_path, monkeyp
     monkeypatch.setattr(manifest_module, "BLOCK", 1000)
     (tmp_path / "big.bin").write_bytes(bytes(range(256)) * 10)  # 2560 bytes: blocks of 1000, 1000, 560
     write_manifest(tmp_path, ["big.bin"])
-    crcs = read_manifest(tmp_path)["files"]["big.bin"]["crc32"]
-    assert crcs == [f"{crc32_of(tmp_path / 'big.bin', start, 1000):08x}" for start in (0, 1000, 2000)]
+    hashes = read_manifest(tmp_path)["files"]["big.bin"]["xxh3_64"]
+    assert hashes == [hash_of(tmp_path / "big.bin", start, 1000) for start in (0, 1000, 2000)]
     monkeypatch.setattr(manifest_module, "BLOCK", 7)  # the manifest's own block size decides the check
     data = bytearray((tmp_path / "big.bin").read_bytes())
     data[2100] ^= 1
