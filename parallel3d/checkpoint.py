@@ -8,12 +8,19 @@
     meta.json                  step, data position, LR scheduler (for reference: a resumed run
                                takes its schedule from its config), the layout it was saved at
     config.yaml                the resolved config of the run that saved it
+    manifest.json              every file above with its size and XXH3 hashes (parallel3d/manifest.py),
+                               checked before a resume loads anything (resume.pick_checkpoint)
     COMPLETE                   written last: a folder without it is ignored, then removed
 
 Keys do not depend on the layout: a parameter is saved under its full-model name
 (``layers.3.attention.wq.weight``) and each optimizer state tensor as ``optimizer/<name>/<state>``
 in the parameter's global shape, so DCP reshards both to whatever dp/tp/pp the loader runs.
 Nothing is unpickled on load: tensors and their sharding come from safetensors, the rest from JSON.
+
+A save refuses a model or optimizer holding NaN or Inf (every rank checks its shards, one
+all-reduce decides), so no non-finite checkpoint exists; ``keep_last`` removes older checkpoints
+only once the new one is committed with its manifest. Failures are one-line CheckpointErrors
+(checkpoint_failures.py), raised on every rank together where the ranks can agree.
 """
 
 from __future__ import annotations
@@ -35,11 +42,14 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from parallel3d import hf
+from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.config import CheckpointConfig
+from parallel3d.manifest import verify_manifest, write_manifest
 from parallel3d.optim import init_optimizer_state, set_schedule_step
 from parallel3d.progress import Progress
 
 COMPLETE, META = "COMPLETE", "meta.json"
+_SHARD = "shard-{:05d}-"  # the start of rank r's file name: DCP's HuggingFaceStorageWriter numbers them r + 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -145,31 +155,27 @@ class Checkpointer:
     # -- saving ---------------------------------------------------------------------------
 
     def save(self, step: int, state: TrainState, meta: dict, config_yaml: str) -> None:
-        """Write step ``step``; synchronous unless checkpoint.async_save (then finished later)."""
+        """Write step ``step``; synchronous unless checkpoint.async_save (then finished later).
+        Raises NonFiniteState, writing nothing, when any rank's shards hold NaN or Inf."""
         self.wait()  # one save in flight at a time
         path = self.root / f"step_{step}"
-        self.progress.saving(path.name)
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)  # a partial folder from an earlier, killed attempt
-            (path / "rng").mkdir(parents=True)
-            (path / "config.yaml").write_text(config_yaml)
-        self._barrier()
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        save_file(rng, str(path / "rng" / f"rank_{self.rank}.safetensors"))
         tensors = state_dict(state)
+        self._refuse_nonfinite(step, tensors)
+        self.progress.saving(path.name)
+        self._agree(path, lambda: self._prepare(path, config_yaml))
+        self._agree(path, lambda: self._save_rng(path))
         meta = {**meta, "step": step, "world_size": self.world_size, "model_only": state.optimizer is None,
                 "scheduler": _scheduler_state(state.scheduler)}
         writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
-        if self.cfg.async_save:
-            # DCP stages a CPU copy first, so training may change the tensors while it writes.
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
-                                    no_dist=self.group is None)
-            self._pending = (future, path, meta)
-        else:
+        with self._discarded_on_failure(path):
+            if self.cfg.async_save:
+                # DCP stages a CPU copy first, so training may change the tensors while it writes.
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
+                                        no_dist=self.group is None)
+                self._pending = (future, path, meta)
+                return
             dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
-            self._commit(path, meta)
+        self._agree(path, lambda: self._commit(path, meta))
 
     def poll(self) -> None:
         """Commit an asynchronous save that has finished writing."""
@@ -180,23 +186,95 @@ class Checkpointer:
         if self._pending is not None:
             future, path, meta = self._pending
             self._pending = None
-            future.result()  # on rank 0 this returns once every rank's files are written
-            self._commit(path, meta)
+            with self._discarded_on_failure(path):
+                future.result()  # on rank 0 this returns once every rank's files are written
+                self._commit(path, meta)
+
+    def _refuse_nonfinite(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Every rank checks its shards; one all-reduce of the count decides for all."""
+        bad = nonfinite_names(tensors)
+        count = torch.tensor([len(bad)])
+        if self.group is not None:
+            dist.all_reduce(count, group=self.group)
+        if count.item():
+            steps = complete_steps(self.root)
+            kept = f"step_{steps[-1]} stays the newest checkpoint" if steps else "there is no earlier checkpoint"
+            first = f", {bad[0]} among them" if bad else ""
+            raise NonFiniteState(f"step {step}: {count.item()} tensor shards of the model or optimizer hold NaN or "
+                                 f"Inf{first}: not saved, {kept}. Fix: lower optim.lr, raise optim.warmup_steps "
+                                 f"or set train.grad_clip", every_rank=True)
+
+    def _prepare(self, path: Path, config_yaml: str) -> None:
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # a partial folder from an earlier, killed attempt
+            (path / "rng").mkdir(parents=True)
+            (path / "config.yaml").write_text(config_yaml)
+
+    def _save_rng(self, path: Path) -> None:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, str(path / "rng" / f"rank_{self.rank}.safetensors"))
+
+    def _agree(self, path: Path, action) -> None:
+        """Run ``action`` on every rank; when it failed on any, every rank raises that failure's line
+        (none is left waiting in a collective for a rank that has given up)."""
+        error = None
+        try:
+            with checkpoint_errors(path, saving=True):
+                action()
+        except CheckpointError as e:
+            error = e
+        problems = [str(error) if error else None]
+        if self.group is not None:
+            problems = [None] * self.world_size
+            dist.all_gather_object(problems, str(error) if error else None, group=self.group)
+        failed = [(r, p) for r, p in enumerate(problems) if p]
+        if failed:
+            self._discard(path)
+            r, problem = failed[0]
+            raise CheckpointError(problem if r == 0 else f"rank {r}: {problem}", every_rank=True) from error
+
+    @contextlib.contextmanager
+    def _discarded_on_failure(self, path: Path):
+        """A failed save leaves no partial folder taking space (a kill still may: removed at the next start)."""
+        try:
+            with checkpoint_errors(path, saving=True):
+                yield
+        except CheckpointError:
+            self._discard(path)
+            raise
+
+    def _discard(self, path: Path) -> None:
+        if self.rank == 0 and not (path / COMPLETE).exists():
+            shutil.rmtree(path, ignore_errors=True)
 
     def _commit(self, path: Path, meta: dict) -> None:
+        """Rank 0, once every rank's files are written: meta.json, the manifest, then COMPLETE."""
         if self.rank != 0:
             return
         _write_atomic(path / META, json.dumps(meta, indent=2))
+        missing = _missing_rank_file(path, self.world_size)
+        if missing:
+            raise CheckpointError(f"saving {path} failed: {missing} was not written. Fix: check the file system; "
+                                  f"the previous checkpoint is intact and the run resumes from it")
+        write_manifest(path, [p for p in path.rglob("*") if p.is_file()])
         _write_atomic(path / COMPLETE, "")
         self.progress.saved(path.name)  # an async save: steps after it started, from poll() or wait()
-        if self.cfg.keep_last > 0:
+        # Older checkpoints go only once this one is committed and its files match the manifest.
+        if self.cfg.keep_last > 0 and verify_manifest(path, "size", ignore=[COMPLETE]) is None:
             for old in complete_steps(self.root)[: -self.cfg.keep_last]:
                 shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
 
     # -- loading --------------------------------------------------------------------------
 
     def load(self, path: Path, state: TrainState) -> dict:
-        """Restore ``state`` from checkpoint ``path`` at this run's layout; returns its meta.json."""
+        """Restore ``state`` from checkpoint ``path`` at this run's layout; returns its meta.json.
+        ``path`` is trusted: resume.pick_checkpoint verifies it first."""
+        with checkpoint_errors(path, saving=False, every_rank=True):
+            return self._load(path, state)
+
+    def _load(self, path: Path, state: TrainState) -> dict:
         meta = json.loads((path / META).read_text())
         targets, copies = _model_targets(state)
         targets |= state.persistent_buffers()
@@ -230,8 +308,9 @@ class Checkpointer:
                 raise FileNotFoundError(f"checkpoint.init_from={path}: neither a checkpoint nor a Hugging Face folder")
             path = found
             targets, copies = _model_targets(state)
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
-                 no_dist=self.group is None)
+        with checkpoint_errors(path, saving=False, every_rank=True):
+            dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
+                     no_dist=self.group is None)
         _finish_load(copies)
 
 
@@ -262,6 +341,16 @@ def _scheduler_state(scheduler) -> dict | None:
     if scheduler is None:
         return None
     return scheduler.state_dict()  # plain numbers (a partial's lr_lambdas entry is its empty __dict__): JSON
+
+
+def _missing_rank_file(path: Path, world_size: int) -> str | None:
+    """The first file a rank must have written that is not there: its shard or its RNG state."""
+    for r in range(world_size):
+        if not (path / "rng" / f"rank_{r}.safetensors").is_file():
+            return f"rank {r}'s rng/rank_{r}.safetensors"
+        if not any(path.glob(_SHARD.format(r + 1) + "*.safetensors")):
+            return f"rank {r}'s {_SHARD.format(r + 1)}*.safetensors"
+    return None
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -235,6 +235,9 @@ class CheckpointConfig:
     # Llama folder (config.json + *.safetensors). Model weights only; ignored when resuming.
     init_from: Optional[str] = None
     create_seed: bool = False  # initialize, save checkpoints/step_0 (weights only) and stop
+    # Before a checkpoint is loaded its files are checked against its manifest.json: checksum
+    # (sizes and hashes), size (sizes only), none. One that fails is never loaded.
+    verify: str = "checksum"
 
 
 @dataclass

@@ -97,7 +97,9 @@ def report_failure(error: BaseException, run_dir: str | None, rank: int) -> None
         traceback.print_exception(error, file=f)
     if debug():
         traceback.print_exception(error, file=sys.stderr)
-    if rank == 0 or isinstance(error, RunError):
+    # Rank 0 speaks for all; another rank only for a problem of its own (an error every rank
+    # raised together, ``every_rank``, is said once).
+    if rank == 0 or (isinstance(error, RunError) and not getattr(error, "every_rank", False)):
         where = "" if rank == 0 else f"rank {rank}: "
         hint = "" if debug() else f"; {DEBUG_ENV}=1 prints it here"
         print(f"parallel3d: error: {where}{one_line(error)} (traceback in {path}{hint})", file=sys.stderr,

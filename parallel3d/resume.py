@@ -2,9 +2,11 @@
 
 A checkpoint restores state (weights, optimizer moments, RNG, data position, the step); the
 config decides everything else, the learning-rate schedule included (optim.set_schedule_step).
-Before anything is loaded each candidate is checked cheaply (meta.json parses, every safetensors
-file is as long as its header says), so a corrupt newest checkpoint is skipped for the previous
-complete one with a message, instead of failing deep inside DCP with a traceback.
+Before any rank loads anything, rank 0 checks each candidate (meta.json parses, every
+safetensors file is as long as its header says, and every file matches the checkpoint's
+manifest.json as ``checkpoint.verify`` says) and tells the other ranks its verdict, so all load
+the same checkpoint or all stop. A corrupt newest checkpoint is skipped for the newest one that
+verifies, with one line naming the file, instead of failing deep inside DCP with a traceback.
 """
 
 from __future__ import annotations
@@ -14,18 +16,31 @@ import struct
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
 import yaml
 
 from parallel3d.base import ConfigError, RunError
-from parallel3d.checkpoint import META, complete_steps, find_checkpoint
+from parallel3d.checkpoint import COMPLETE, META, complete_steps, find_checkpoint
+from parallel3d.checkpoint_failures import CheckpointError, describe
 from parallel3d.data.tokenizer import tokenizer_hash
+from parallel3d.manifest import MANIFEST, ManifestMissing, verify_manifest
 
 # Keys that differ between any two starts and say nothing about training.
 UNCOMPARED = ("run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.create_seed")
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """What is wrong with the files of checkpoint ``path``, or None (a cheap, local check)."""
+def checkpoint_problem(path: Path, verify: str = "checksum") -> str | None:
+    """What is wrong with the files of checkpoint ``path``, or None. ``verify``: how its files are
+    checked against its manifest (``checksum``, ``size``, ``none``); one written before manifests
+    existed gets the structural checks alone."""
+    try:
+        problem = verify_manifest(path, verify, ignore=[COMPLETE])
+    except ManifestMissing:
+        problem = None
+    return problem or _structure_problem(path)
+
+
+def _structure_problem(path: Path) -> str | None:
     try:
         meta = json.loads((path / META).read_text())
         if not {"step", "model_only"} <= meta.keys():
@@ -61,9 +76,33 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def pick_checkpoint(root: Path, resume: str, announce: bool) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` names, checked. Under ``auto`` a corrupt newest one is
-    skipped for the previous complete one (said on the console when ``announce``)."""
+def pick_checkpoint(root: Path, resume: str, announce: bool, *, verify: str = "checksum") -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names, verified. Under ``auto`` a corrupt newest one is
+    skipped for the newest one that verifies (said on the console when ``announce``); a named one
+    that fails is refused. Collective when a process group is up: rank 0 checks, every rank gets
+    its verdict (the same path, or the same CheckpointError)."""
+    return _decided_by_rank0(lambda: _pick(root, resume, announce, verify), root)
+
+
+def _decided_by_rank0(decide, path: Path):
+    """``decide()`` on rank 0 (reading each file once, not once per rank); its result, or its
+    failure as a CheckpointError, on every rank: no rank waits for one that has given up."""
+    verdict = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            verdict = [decide()]
+        except RunError as e:
+            verdict = [CheckpointError(str(e), every_rank=True)]
+        except OSError as e:
+            verdict = [CheckpointError(describe(e, path, saving=False), every_rank=True)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(verdict, src=0)
+    if isinstance(verdict[0], RunError):
+        raise verdict[0]
+    return verdict[0]
+
+
+def _pick(root: Path, resume: str, announce: bool, verify: str) -> Path | None:
     if resume == "none":
         return None
     if resume != "auto":
@@ -71,15 +110,17 @@ def pick_checkpoint(root: Path, resume: str, announce: bool) -> Path | None:
         if path is None:
             raise RunError(f"checkpoint.resume={resume}: no complete checkpoint there. Fix: name a step_<N> "
                            f"folder, a checkpoints/ folder or a run_dir, or use checkpoint.resume=auto")
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, verify)
         if problem:
             raise RunError(f"checkpoint.resume={resume}: {problem}. Fix: name an earlier checkpoint")
+        _warn_unverified(path, verify, announce)
         return path
     problems = []
     for step in reversed(complete_steps(root)):
         path = root / f"step_{step}"
-        problems.append(checkpoint_problem(path))
+        problems.append(checkpoint_problem(path, verify))
         if problems[-1] is None:
+            _warn_unverified(path, verify, announce)
             return path
         if announce:
             print(f"parallel3d: skipping corrupt checkpoint {path}: {problems[-1]}; trying the previous one",
@@ -88,6 +129,26 @@ def pick_checkpoint(root: Path, resume: str, announce: bool) -> Path | None:
         raise RunError(f"every checkpoint in {root} is corrupt (newest: {problems[0]}). Fix: "
                        f"checkpoint.resume=none to start afresh (the old run is moved aside)")
     return None
+
+
+def verify_init_from(path: Path, verify: str, announce: bool) -> None:
+    """``checkpoint.init_from`` of one of our checkpoints: refused unless it verifies (collective)."""
+
+    def decide() -> None:
+        found = find_checkpoint(path)
+        problem = checkpoint_problem(found, verify) if found is not None else None
+        if problem:
+            raise RunError(f"checkpoint.init_from={path}: {problem}. Fix: write the seed checkpoint again")
+        if found is not None:
+            _warn_unverified(found, verify, announce)
+
+    _decided_by_rank0(decide, path)
+
+
+def _warn_unverified(path: Path, verify: str, announce: bool) -> None:
+    if announce and verify != "none" and not (path / MANIFEST).is_file():
+        print(f"parallel3d: warning: {path} has no {MANIFEST} (written before checkpoints had manifests): "
+              f"its files cannot be verified", file=sys.stderr, flush=True)
 
 
 def check_not_past_end(path: Path, steps: int) -> int:

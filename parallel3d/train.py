@@ -21,6 +21,7 @@ import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint import CheckpointException
 
 from parallel3d import hf, watchdog
 from parallel3d.base import ConfigError, world_size_from_env
@@ -42,7 +43,7 @@ from parallel3d.parallel.expert import moe_statistics
 from parallel3d.profiling import StepProfiler
 from parallel3d.progress import Progress
 from parallel3d.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
-                               report_changes)
+                               report_changes, verify_init_from)
 from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
                                shared_run_dir, unwritable_run_dir)
 from parallel3d.signals import Interrupted, StopSignals, Stopped, interruptible
@@ -233,7 +234,7 @@ class TrainLoop:
         c = self.setup.config
         self.batches.close()
         self.checkpointer.wait()
-        path = pick_checkpoint(self.checkpointer.root, "auto", announce=rank() == 0)
+        path = pick_checkpoint(self.checkpointer.root, "auto", announce=rank() == 0, verify=c.checkpoint.verify)
         meta = self.checkpointer.load(path, self.state) if path is not None else None
         if meta is None or meta["model_only"]:
             raise TrainingDiverged(f"{self.guard.max_bad_steps} bad steps in a row up to step {step} "
@@ -265,7 +266,7 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
     (which includes any data a rollback skipped). ``guard`` gets the saved bad-step counts."""
     for path in checkpointer.remove_incomplete():
         print(f"parallel3d: removed incomplete checkpoint {path} (a save that did not finish)", flush=True)
-    path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=is_rank0)
+    path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=is_rank0, verify=c.checkpoint.verify)
     if path is not None:
         step = check_not_past_end(path, c.train.steps)
         check_tokenizer(path, c.data, announce=is_rank0)
@@ -285,6 +286,8 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
         init_from = Path(c.checkpoint.init_from).expanduser()
         if hf.is_hf_dir(init_from):
             check_hf_weights(init_from)
+        else:
+            verify_init_from(init_from, c.checkpoint.verify, announce=is_rank0)
         checkpointer.load_weights(init_from, state, c.model)
     return 0, 0
 
@@ -325,7 +328,7 @@ def run_job(cfg: DictConfig) -> None:
         sys.exit(EXIT_REQUEUE)
     except KeyboardInterrupt:  # a second Ctrl-C
         sys.exit(EXIT_INTERRUPTED)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         report_failure(watchdog.explain(e), _known_run_dir(cfg), rank())  # a hang: names the rank
         if rank() != 0:
             time.sleep(2)

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from parallel3d import hf
 from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device, world_size_from_env
 from parallel3d.checkpoint import find_checkpoint
+from parallel3d.manifest import VERIFY_MODES
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer
 from parallel3d.guard import check_bad_step_config
@@ -401,6 +402,8 @@ def _check_checkpoint(ck, m, run_dir: Path | None) -> None:
     for key in ("every", "keep_last"):
         if getattr(ck, key) < 0:
             raise ConfigError(f"checkpoint.{key}", getattr(ck, key), "must be >= 0", "use 0 (off / keep all) or N")
+    if ck.verify not in VERIFY_MODES:
+        raise ConfigError("checkpoint.verify", ck.verify, "unknown mode", f"use one of {', '.join(VERIFY_MODES)}")
     if ck.resume == "auto" and run_dir is not None and (found := find_checkpoint(run_dir / "checkpoints")):
         _check_saved_shape("checkpoint.resume", ck.resume, found, m)
     if ck.resume not in ("auto", "none"):

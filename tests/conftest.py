@@ -163,6 +163,7 @@ def prefetch_selected(request, parity: Parity, layouts: list[Layout], param: str
 # The files that take longest (a 2-core run, README "Tests"). pytest-xdist hands whole files to its
 # workers in collection order: started first, none of them is left running alone at the end.
 LONGEST_FIRST = ("test_dryrun.py", "test_parallel_pipeline_zero.py", "test_checkpoint.py", "test_recovery.py",
+                 "test_checkpoint_failures.py",
                  "test_launch_multinode.py", "test_parallel_expert.py", "test_parallel_pipeline.py", "test_train.py",
                  "test_planner.py", "test_precision.py", "test_parallel_tensor.py", "test_parallel_context.py",
                  "test_hf.py", "test_validate.py", "test_parallel_data.py", "test_evaluate.py",

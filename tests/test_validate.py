@@ -40,6 +40,7 @@ BAD = [
      "parallel.fsdp_sharding_strategy", "HYBRID_SHARD"),
     (["parallel.fsdp_wrap=layer"], 1, "parallel.fsdp_wrap", "block or size"),
     (["parallel.fsdp_prefetch=-1"], 1, "parallel.fsdp_prefetch", ">= 0"),
+    (["checkpoint.verify=sha256"], 1, "checkpoint.verify", "checksum, size, none"),
     (["parallel.cp=0"], 1, "parallel.cp", ">= 1"),
     (["parallel.cp=2", "train.seq_len=66"], 2, "train.seq_len", "2*cp = 4 chunks"),
     (["parallel.cp=2", "parallel.tp=4", "model.n_kv_heads=4", "train.seq_len=12", "train.micro_batch_size=1"], 8,

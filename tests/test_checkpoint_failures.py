@@ -1,0 +1,284 @@
+"""Damaged checkpoints, divergence and full disks: real torchrun jobs on CPU/gloo.
+
+One 2-rank run saves steps 2 and 4; each fault case damages a copy of its step_4. The resume must
+fall back to step_2, name the damaged file, and train steps 3-4 exactly as the run that never
+stopped. The fallback cases train in one batched launch (tests/layout_batch.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FAST, Run, launch, launch_batch
+from parallel3d.base import RunError
+from parallel3d.checkpoint import COMPLETE, Checkpointer, TrainState, complete_steps
+from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, checkpoint_errors
+from parallel3d.config import CheckpointConfig, ModelConfig
+from parallel3d.failures import report_failure
+from parallel3d.manifest import MANIFEST, read_manifest
+from parallel3d.models import Transformer
+from parallel3d.resume import checkpoint_problem, pick_checkpoint, verify_init_from
+
+SAVING = [*FAST, "train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0", "parallel.dp_shard=2"]
+
+
+def _shard(step_dir: Path, rank: int) -> Path:
+    return next(step_dir.glob(f"shard-{rank + 1:05d}-*.safetensors"))
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x55
+    path.write_bytes(bytes(data))
+
+
+def _drop_manifest_entry(step_dir: Path) -> None:
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    del manifest["files"][_shard(step_dir, 0).name]
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+# case: (damage to step_4, the damaged file, what the one line says about it)
+FAULTS = {
+    "rank0-shard-deleted": (lambda d: _shard(d, 0).unlink(), lambda d: "shard-00001-", "is missing"),
+    "rank1-shard-deleted": (lambda d: _shard(d, 1).unlink(), lambda d: "shard-00002-", "is missing"),
+    "shard-truncated": (lambda d: _shard(d, 1).write_bytes(_shard(d, 1).read_bytes()[:-100]),
+                        lambda d: _shard(d, 1).name, "size"),
+    "shard-bytes-flipped": (lambda d: _flip(_shard(d, 0), _shard(d, 0).stat().st_size // 2),
+                            lambda d: _shard(d, 0).name, "checksum mismatch"),
+    # This layout keeps DCP's metadata (each tensor's offsets) in each safetensors header, not .metadata.
+    "shard-header-flipped": (lambda d: _flip(_shard(d, 1), 40), lambda d: _shard(d, 1).name, "checksum mismatch"),
+    "meta-json-flipped": (lambda d: _flip(d / "meta.json", 5), lambda d: "meta.json", "checksum mismatch"),
+    "manifest-entry-missing": (_drop_manifest_entry, lambda d: _shard(d, 0).name, "is not in the manifest"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(runs_root) -> Run:
+    run = launch(runs_root / "faults-base", SAVING, nproc=2)
+    run.assert_finished(4)
+    assert complete_steps(run.run_dir / "checkpoints") == [2, 4]
+    return run
+
+
+def damaged_copy(saved: Run, name: str, copy: str | None = None) -> tuple[Path, str]:
+    """A copy of the saved run with step_4 damaged as FAULTS[name] says; (run_dir, damaged file name)."""
+    damage, damaged_file, _ = FAULTS[name]
+    run_dir = saved.run_dir.parent / (copy or name)
+    shutil.copytree(saved.run_dir, run_dir)
+    step4 = run_dir / "checkpoints" / "step_4"
+    damaged = damaged_file(step4)
+    damage(step4)
+    return run_dir, damaged
+
+
+@pytest.fixture(scope="module")
+def fallbacks(saved) -> dict[str, Run]:
+    """Every fault case resumed (checkpoint.resume=auto) in one 2-rank launch."""
+    damaged = {name: damaged_copy(saved, name) for name in FAULTS}
+    runs = launch_batch(saved.run_dir.parent, {name: [*SAVING] for name in FAULTS}, nproc=2)
+    for name, (run_dir, _) in damaged.items():  # a case the batch did not finish gets a launch of its own
+        if name not in runs:
+            runs[name] = launch(run_dir, SAVING, nproc=2)
+        runs[name].damaged = damaged[name][1]
+    return runs
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(saved, fallbacks, name):
+    run = fallbacks[name]
+    run.assert_finished(4)
+    step4 = run.run_dir / "checkpoints" / "step_4"
+    said = [line for line in run.stderr.splitlines() if "skipping corrupt checkpoint" in line]
+    assert len(said) == 1 and run.damaged in said[0] and FAULTS[name][2] in said[0], run.stderr[-2000:]
+    assert f"resumed from {step4.parent / 'step_2'}" in run.stdout
+    # steps 3-4 as the uninterrupted run trained them from step_2, and step_4 saved whole again
+    assert [row["step"] for row in run.metrics] == [1, 2, 3, 4]
+    assert run.losses == saved.losses
+    assert [r["grad_norm"] for r in run.metrics] == [r["grad_norm"] for r in saved.metrics]
+    assert checkpoint_problem(step4) is None
+    for r in (0, 1):
+        assert load_file(str(_shard(step4, r))).keys() == load_file(str(_shard(saved.run_dir / "checkpoints/step_4",
+                                                                               r))).keys()
+
+
+@pytest.mark.multirank
+def test_an_explicit_resume_of_a_damaged_checkpoint_is_refused_in_one_line(saved, runs_root):
+    source, damaged = damaged_copy(saved, "shard-bytes-flipped", copy="explicit-source")
+    run = launch(runs_root / "explicit", [*SAVING, f"checkpoint.resume={source / 'checkpoints' / 'step_4'}"], nproc=2)
+    assert run.returncode != 0 and not run.metrics
+    ours = [line for line in (run.stdout + run.stderr).splitlines() if line.startswith("parallel3d:")]
+    assert len(ours) == 1, ours
+    assert "checkpoint.resume=" in ours[0] and damaged in ours[0] and "checksum mismatch" in ours[0]
+    assert "Fix: name an earlier checkpoint" in ours[0]
+    assert (run.run_dir / "logs" / "rank0.log").is_file()
+
+
+def test_a_diverging_run_saves_no_non_finite_checkpoint(runs_root):
+    """lr 30 without clipping: step 2 is finite, step 4 is not, and no logging step comes before
+    it; the save refuses, and keep_last=1 did not rotate the good step_2 away."""
+    run = launch(runs_root / "diverging", [*FAST, "optim.lr=30", "train.grad_clip=0", "logging.log_every=5",
+                                            "checkpoint.every=2", "checkpoint.keep_last=1"])
+    assert run.returncode == 1
+    ours = [line for line in run.stderr.splitlines() if line.startswith("parallel3d:")]
+    assert len(ours) == 1 and "step 4:" in ours[0] and "NaN or Inf" in ours[0] and "step_2 stays" in ours[0], ours
+    root = run.run_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2"] and complete_steps(root) == [2]
+    assert checkpoint_problem(root / "step_2") is None
+    for shard in (root / "step_2").glob("*.safetensors"):
+        assert all(torch.isfinite(t).all() for t in load_file(str(shard)).values())
+
+
+# -- in one process ------------------------------------------------------------------------
+
+
+def _state() -> TrainState:
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                                    max_seq_len=16))
+    model.init_weights(0)
+    return TrainState([model], torch.optim.AdamW(model.parameters()))
+
+
+def test_a_save_commits_a_manifest_of_every_file(tmp_path):
+    Checkpointer(tmp_path, CheckpointConfig()).save(1, _state(), {"samples_seen": 0}, "")
+    step1 = tmp_path / "checkpoints" / "step_1"
+    listed = set(read_manifest(step1)["files"])
+    on_disk = {p.relative_to(step1).as_posix() for p in step1.rglob("*") if p.is_file()}
+    assert listed == on_disk - {MANIFEST, COMPLETE}
+    assert {"meta.json", "config.yaml", "rng/rank_0.safetensors"} <= listed
+    assert checkpoint_problem(step1) is None
+
+
+def test_a_checkpoint_without_a_manifest_loads_with_a_warning(tmp_path, capsys):
+    Checkpointer(tmp_path, CheckpointConfig()).save(1, _state(), {"samples_seen": 0}, "")
+    (tmp_path / "checkpoints" / "step_1" / MANIFEST).unlink()
+    assert pick_checkpoint(tmp_path / "checkpoints", "auto", announce=True) == tmp_path / "checkpoints" / "step_1"
+    assert "has no manifest.json (written before checkpoints had manifests)" in capsys.readouterr().err
+
+
+def test_a_damaged_seed_checkpoint_is_refused_as_init_from(tmp_path):
+    Checkpointer(tmp_path, CheckpointConfig()).save(0, TrainState(_state().parts), {"samples_seen": 0}, "")
+    step0 = tmp_path / "checkpoints" / "step_0"
+    assert "rng/rank_0.safetensors" in read_manifest(step0)["files"]  # seed checkpoints get manifests too
+    verify_init_from(step0, "checksum", announce=False)
+    shard = next(step0.glob("shard-*.safetensors"))
+    _flip(shard, shard.stat().st_size - 1)
+    verify_init_from(step0, "size", announce=False)  # same size: only the checksum sees it
+    with pytest.raises(CheckpointError, match=rf"checkpoint.init_from={step0}: .*{shard.name}: checksum mismatch "
+                                              r"in bytes .*Fix: write the seed checkpoint again"):
+        verify_init_from(step0, "checksum", announce=False)
+
+
+def test_a_non_finite_state_is_not_saved_and_the_good_checkpoint_stays(tmp_path):
+    state = _state()
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep_last=1))
+    checkpointer.save(2, state, {"samples_seen": 0}, "")
+    with torch.no_grad():
+        state.parts[0].norm.weight[3] = float("nan")
+    with pytest.raises(NonFiniteState, match=r"step 4: 1 tensor shards .* NaN or Inf, norm.weight among them: not "
+                                             r"saved, step_2 stays the newest checkpoint. Fix: lower optim.lr"):
+        checkpointer.save(4, state, {"samples_seen": 0}, "")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+
+
+def test_checkpoint_errors_are_one_line_naming_the_path_and_the_fix(tmp_path):
+    from torch.distributed.checkpoint import CheckpointException
+
+    full = OSError(28, "No space left on device")
+    with pytest.raises(CheckpointError) as caught:
+        with checkpoint_errors(tmp_path / "step_4", saving=True):
+            raise CheckpointException("save failed", {1: (full, None)})
+    assert str(caught.value) == (f"disk full writing {tmp_path / 'step_4'}: free space on its file system (or set "
+                                 f"checkpoint.keep_last lower, or run_dir elsewhere) and run again; the previous "
+                                 f"checkpoint is intact and the run resumes from it")
+    assert caught.value.every_rank and caught.value.__cause__ is not None
+    with pytest.raises(CheckpointError, match=rf"loading {tmp_path}/step_4 failed: Permission denied "
+                                              rf"\({tmp_path}/x\). Fix: check the file system"):
+        with checkpoint_errors(tmp_path / "step_4", saving=False):
+            raise PermissionError(13, "Permission denied", str(tmp_path / "x"))
+
+
+def test_an_error_every_rank_raised_is_printed_once(tmp_path, capsys):
+    shared, own = CheckpointError("disk full", every_rank=True), RunError("rank 1's own file")
+    for rank in (0, 1):
+        report_failure(shared, str(tmp_path), rank)
+    report_failure(own, str(tmp_path), 1)
+    printed = capsys.readouterr().err.splitlines()
+    assert len(printed) == 2 and "disk full" in printed[0] and "rank 1: rank 1's own file" in printed[1]
+    assert (tmp_path / "logs" / "rank1.log").read_text().count("CheckpointError: disk full") == 1
+
+
+# -- a full disk --------------------------------------------------------------------------
+
+# case: (ranks, overrides). A checkpoint of this model is ~11 MB at any rank count: the 16 MB disk
+# takes step_2, and step_4 fills it.
+FULL_DISK = {
+    "sync-1": (1, []),
+    "async-1": (1, ["checkpoint.async_save=true"]),
+    "sync-2": (2, ["parallel.dp_shard=2"]),
+    "async-2": (2, ["parallel.dp_shard=2", "checkpoint.async_save=true"]),
+}
+DISK = [*FAST, "train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0"]
+
+
+def _mount(folder: Path, size: str, remount: bool = False) -> subprocess.CompletedProcess:
+    options = f"remount,size={size}" if remount else f"size={size}"
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def full_disks(runs_root, saved):
+    """Each case trains on a 16 MB tmpfs until step_4's save fills it, then (the disk grown to 64 MB,
+    space freed) resumes; a 1-rank run with space to spare is the 1-rank reference."""
+    roots = {name: runs_root / f"disk-{name}" for name in FULL_DISK}
+    mounted = []
+    try:
+        for root in roots.values():
+            root.mkdir()
+            result = _mount(root, "16M")
+            if result.returncode:
+                pytest.skip(f"cannot mount a tmpfs to fill (needs root): {result.stderr.strip()}")
+            mounted.append(root)
+        failed = {name: launch(roots[name], [*DISK, *o], nproc=n) for name, (n, o) in FULL_DISK.items()}
+        after = {name: (complete_steps(roots[name] / "checkpoints"), checkpoint_problem(
+            roots[name] / "checkpoints/step_2")) for name in FULL_DISK}
+        for root in roots.values():
+            assert _mount(root, "64M", remount=True).returncode == 0
+        resumed = {}
+        for nproc in (1, 2):
+            cases = {name: [*DISK, *o] for name, (n, o) in FULL_DISK.items() if n == nproc}
+            resumed |= launch_batch(runs_root, {f"disk-{name}": o for name, o in cases.items()}, nproc)
+        reference = {1: launch(runs_root / "disk-reference", DISK), 2: saved}
+        yield {name: (failed[name], after[name], resumed.get(f"disk-{name}"), reference[FULL_DISK[name][0]])
+               for name in FULL_DISK}
+    finally:
+        for root in mounted:
+            subprocess.run(["umount", str(root)], capture_output=True)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", list(FULL_DISK))
+def test_a_full_disk_is_one_line_and_the_resume_after_it_is_exact(full_disks, name):
+    failed, (steps, problem), resumed, reference = full_disks[name]
+    assert failed.returncode != 0
+    ours = [line for line in (failed.stdout + failed.stderr).splitlines() if line.startswith("parallel3d: error")]
+    assert len(ours) == 1, failed.stderr[-3000:]
+    assert "disk full writing" in ours[0] and "step_4" in ours[0] and "free space" in ours[0], ours
+    assert (failed.run_dir / "logs" / "rank0.log").is_file()
+    assert steps == [2] and problem is None  # step_2 intact, step_4's partial folder gone
+    assert resumed is not None, "the resume after freeing space failed"
+    resumed.assert_finished(4)
+    assert "resumed from" in resumed.stdout and "step_2" in resumed.stdout
+    assert resumed.losses == reference.losses
+    step4, ref4 = resumed.run_dir / "checkpoints/step_4", reference.run_dir / "checkpoints/step_4"
+    for shard in sorted(ref4.glob("shard-*.safetensors")):
+        got, want = load_file(str(step4 / shard.name)), load_file(str(shard))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), shard.name
