@@ -167,7 +167,7 @@ LONGEST_FIRST = ("test_dryrun.py", "test_parallel_pipeline_zero.py", "test_check
                  "test_launch_multinode.py", "test_parallel_expert.py", "test_parallel_pipeline.py", "test_train.py",
                  "test_planner.py", "test_precision.py", "test_parallel_tensor.py", "test_parallel_context.py",
                  "test_hf.py", "test_validate.py", "test_parallel_data.py", "test_evaluate.py",
-                 "test_observability.py")
+                 "test_observability.py", "test_guard.py", "test_data_integrity.py", "test_watchdog.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
