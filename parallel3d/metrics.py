@@ -98,6 +98,9 @@ class MetricsLogger:
             self._file.close()
             self._keep_until(step)
             self.start, self.first_step = time.perf_counter(), step
+            if self.tensorboard is not None:  # the abandoned steps' points go, as their rows did
+                self.tensorboard.close()
+                self.tensorboard = start_tensorboard(Path(self.tensorboard.log_dir).parent, step)
 
     def log(self, row: dict) -> None:
         if not self.enabled:

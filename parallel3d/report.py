@@ -43,8 +43,10 @@ def layout_line(config: dict) -> str:
 
 def metric_lines(rows: list[dict], planned_steps: int | None) -> list[str]:
     last = rows[-1]
-    losses = [r["loss"] for r in rows]
-    lines = [f"steps:       {last['step']} of {planned_steps} logged ({len(rows)} rows)",
+    losses = [r["loss"] for r in rows if not r.get("skipped")]  # a skipped step's loss is the bad one
+    losses = losses or [r["loss"] for r in rows]
+    planned = f" of {planned_steps}" if planned_steps else ""
+    lines = [f"steps:       {last['step']}{planned} logged ({len(rows)} rows)",
              f"loss:        {losses[0]:.4f} at step {rows[0]['step']} -> {losses[-1]:.4f} (lowest {min(losses):.4f})"]
     evals = [r for r in rows if "val_loss" in r]
     if evals:

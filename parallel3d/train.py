@@ -40,6 +40,7 @@ from parallel3d.meter import StepMeter
 from parallel3d.metrics import MetricsLogger, start_tensorboard, start_wandb
 from parallel3d.models import Transformer, num_params
 from parallel3d.parallel.expert import moe_statistics
+from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.profiling import StepProfiler
 from parallel3d.progress import Progress
 from parallel3d.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
@@ -240,6 +241,8 @@ class TrainLoop:
             raise TrainingDiverged(f"{self.guard.max_bad_steps} bad steps in a row up to step {step} "
                                    f"({self.guard.reason}) and no checkpoint of this run to roll back to: training "
                                    f"diverged. Set checkpoint.every to roll back, or lower optim.lr")
+        if c.train.float8_fsdp_all_gather:  # the loaded weights' float8 scales, not the abandoned ones'
+            precompute_float8_scales([self.setup.model])
         to_step = meta["step"]
         line = self.guard.rolled_back(at_step=step, to_step=to_step, global_batch_size=c.train.global_batch_size)
         self.sampler.offset = self.sampler.samples_seen(step) - to_step * c.train.global_batch_size

@@ -201,7 +201,8 @@ def test_export_streams_one_file_at_a_time(models, tmp_path, monkeypatch):
 
 def test_command_line_default_is_bfloat16(models, tmp_path):
     out = tmp_path / "bf16"
-    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli.convert_hf", "export", str(models.step_dir("untied")),
+    shim = Path(__file__).resolve().parent.parent / "tools" / "convert_hf.py"  # DESIGN.md's command: still works
+    proc = subprocess.run([sys.executable, str(shim), "export", str(models.step_dir("untied")),
                            str(out)], capture_output=True, text=True, timeout=120, env=env())
     assert proc.returncode == 0, proc.stderr
     full = load_file(str(models.export("untied") / "model.safetensors"))
@@ -217,6 +218,16 @@ def test_command_line_refuses_nothing_to_export_and_a_used_folder(models, tmp_pa
     used = models.export("untied")  # already holds a model: a second export would mix files
     assert convert_hf.main(["export", str(models.step_dir("untied")), str(used)]) == 1
     assert "holds safetensors files already" in capsys.readouterr().err
+    damaged = tmp_path / "damaged"  # a flipped byte in a shard: exported only what verifies
+    shutil.copytree(models.step_dir("untied"), damaged / models.step_dir("untied").name)
+    shard = next((damaged / models.step_dir("untied").name).glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert convert_hf.main(["export", str(shard.parent), str(tmp_path / "out2")]) == 1
+    err = capsys.readouterr().err
+    assert "does not verify" in err and shard.name in err, err
+    assert not (tmp_path / "out2").exists()
 
 
 def test_init_from_refuses_another_shape_naming_the_key(models, tmp_path):

@@ -35,6 +35,7 @@ def runs(runs_root):
     return done
 
 
+@pytest.mark.multirank
 def test_a_slow_rank_is_named_in_the_metrics_and_on_the_console(runs):
     slow = runs["slow-rank-2"]
     assert [row["slowest_rank"] for row in slow.metrics] == [2] * 5
@@ -51,6 +52,7 @@ def test_a_slow_rank_is_named_in_the_metrics_and_on_the_console(runs):
         assert row["step_time_max_s"] < 0.5, row
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name, ranks", [("dp2-tp2-profiled", [0, 1, 2, 3]), ("pp2-dp2-profiled", [0, 1, 2])])
 def test_profiled_steps_write_a_chrome_trace_per_rank_with_the_collectives(runs, name, ranks):
     run = runs[name]
@@ -69,6 +71,7 @@ def test_profiled_steps_write_a_chrome_trace_per_rank_with_the_collectives(runs,
     assert "per step" in (run.run_dir / "logs" / "rank1.log").read_text()  # the other ranks' summaries
 
 
+@pytest.mark.multirank
 def test_profile_memory_on_cpu_says_what_it_cannot_do_and_compares_with_the_planner(runs):
     out = runs["pp2-dp2-profiled"].stdout
     assert "profile.memory on CPU: no CUDA memory snapshots" in out

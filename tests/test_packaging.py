@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = ("parallel3d-prepare-data", "parallel3d-convert-hf", "parallel3d-plan", "parallel3d-dry-run",
-           "parallel3d-plot")
+           "parallel3d-plot", "parallel3d-report")
 
 
 @dataclass
@@ -86,9 +86,11 @@ def test_every_console_script_runs_from_another_directory(installed):
     assert list((here / "cache").rglob("*.bin")), "no token file written"
     (here / "plotted").mkdir()
     (here / "plotted" / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "loss": 3.0 / s, "grad_norm": 1.0, "lr": 1e-3}) + "\n" for s in (1, 2, 3)))
+        json.dumps({"step": s, "loss": 3.0 / s, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec": 100.0,
+                    "step_time_s": 0.5}) + "\n" for s in (1, 2, 3)))
     installed.run("parallel3d-plot", "plotted", "--out", "plots", "--metrics", "loss")
     assert (here / "plots" / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert "-> 1.0000" in installed.run("parallel3d-report", "plotted").stdout
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, capsys):

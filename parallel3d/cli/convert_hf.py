@@ -40,6 +40,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from parallel3d import hf
 from parallel3d.checkpoint import find_checkpoint
+from parallel3d.resume import checkpoint_problem
 from parallel3d.config import ModelConfig
 from parallel3d.models import Transformer
 
@@ -133,6 +134,9 @@ def export(checkpoint: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
     step_dir = find_checkpoint(checkpoint)
     if step_dir is None:
         raise FileNotFoundError(f"{checkpoint}: no complete checkpoint (a step_<N> folder with COMPLETE) there")
+    problem = checkpoint_problem(step_dir, "checksum")  # exported only when it verifies, as a resume is
+    if problem:
+        raise ValueError(f"{step_dir} does not verify: {problem}. Fix: export an earlier checkpoint")
     if out_dir.is_dir() and any(out_dir.glob("*.safetensors")):
         # Loaders read every *.safetensors in a folder: stale files would mix into this model.
         raise FileExistsError(f"{out_dir} holds safetensors files already: export into a new folder")
