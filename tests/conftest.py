@@ -294,3 +294,12 @@ def parity(runs_root) -> Parity:
 def reference_run(parity) -> Run:
     """The single-process run every layout must reproduce (shared, run once)."""
     return parity.reference()
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) of every scalar, read with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import FAST, launch_batch, relative_error
+from conftest import FAST, launch_batch, relative_error, tensorboard_scalars
 from parallel3d.guard import SPIKE_MIN_STEPS, BadStepGuard, TrainingDiverged
 
 NAN_AT_7 = [*FAST, "debug.nan_steps=[7]", "train.on_bad_step=skip"]
@@ -109,7 +109,7 @@ def _assert_skipped_7(rows: list[dict]) -> None:
 def one_process(tmp_path_factory):
     root = tmp_path_factory.mktemp("guard1")
     rollback = [*FAST, "train.steps=12", "debug.nan_steps=[7,8]", "train.on_bad_step=skip",
-                "train.max_bad_steps=2", "checkpoint.every=5"]
+                "train.max_bad_steps=2", "checkpoint.every=5", "logging.tensorboard=true"]
     resumed = [*rollback, f"checkpoint.resume={root / 'rollback' / 'checkpoints' / 'step_10'}"]
     runs = launch_batch(root, {"skip": NAN_AT_7, "rollback": rollback, "resumed": resumed}, nproc=1)
     assert set(runs) == {"skip", "rollback", "resumed"}, list((root).glob("*.batch/*"))
@@ -149,6 +149,9 @@ def test_bad_steps_in_a_row_roll_back_once_and_a_resume_continues_the_same_data(
     assert "rolled back to step_5; steps 6.. train on the data after step 8 (3 steps of data skipped)" in run.stdout
     rows = _metrics(run.run_dir)
     assert [r["step"] for r in rows] == list(range(1, 13))  # the abandoned steps 6..8 were dropped
+    curve = tensorboard_scalars(run.run_dir / "tensorboard")["loss"]  # and their points in TensorBoard
+    assert [step for step, _ in curve] == list(range(1, 13))
+    assert [value for _, value in curve] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
     assert rows[-1]["skipped_steps"] == 2 and not any(r["skipped"] for r in rows)
     meta = json.loads((run.run_dir / "checkpoints" / "step_10" / "meta.json").read_text())
     assert meta["samples_seen"] == (10 + 3) * 16

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, Run, env, launch
+from conftest import FAST, Run, env, launch, tensorboard_scalars
 from parallel3d.metrics import peak_flops
 
 
@@ -236,15 +236,6 @@ def test_wandb_online_with_a_silent_server_continues_offline(tmp_path, monkeypat
             conn.close()
         server.close()
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
-
-
-def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) of every scalar, read with TensorBoard's own reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every point
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def test_tensorboard_holds_the_logged_metrics_and_a_resume_continues_the_curves(tmp_path):
