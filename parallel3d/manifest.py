@@ -11,6 +11,11 @@ against an attacker who can rewrite the manifest too. Blocks are hashed in paral
     write_manifest(folder, files)                 # after the files, before the folder's marker
     verify_manifest(folder, "checksum")           # None, or one line: which file, what is wrong
 
+Many ranks share the reading: each hashes the files it wrote (``file_entries``) and one writes
+the manifest from all entries (``write_manifest(..., entries=...)``); ``verify_manifest(...,
+group=...)`` has each rank of a process group check every n-th file and block, and one
+all-gather gives every rank the answer a single process would give.
+
 Verify modes: ``checksum`` (sizes and hashes), ``size`` (sizes only: a stat per file), ``none``.
 """
 
