@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from parallel3d import hf
 from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.config import CheckpointConfig
-from parallel3d.manifest import verify_manifest, write_manifest
+from parallel3d.manifest import file_entries, verify_manifest, write_manifest
 from parallel3d.optim import init_optimizer_state, set_schedule_step
 from parallel3d.progress import Progress
 
@@ -134,7 +135,12 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         # A group of its own: an asynchronous save coordinates ranks while training uses the default one.
         self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
-        self._pending = None  # (future, step, meta) of an asynchronous save in flight
+        # poll() asks every rank whether its asynchronous save is done on a group of its own: the
+        # save's thread may be in a collective over self.group at that moment.
+        self._poll_group = (dist.new_group(backend="gloo", timeout=timeout)
+                            if dist.is_initialized() and cfg.async_save else None)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") if cfg.async_save else None
+        self._pending = None  # (future of this rank's manifest entries, path, meta) of an asynchronous save
 
     def _barrier(self) -> None:
         if self.group is not None:
@@ -170,25 +176,35 @@ class Checkpointer:
         with self._discarded_on_failure(path):
             if self.cfg.async_save:
                 # DCP stages a CPU copy first, so training may change the tensors while it writes.
-                future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
-                                        no_dist=self.group is None)
-                self._pending = (future, path, meta)
+                written = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
+                                         no_dist=self.group is None)
+                # Then, still off the training thread, this rank hashes the files it wrote.
+                self._pending = (self._hasher.submit(self._hash_own, path, written), path, meta)
                 return
             dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
-        self._agree(path, lambda: self._commit(path, meta))
+        entries = self._agree(path, lambda: self._hash_own(path))
+        self._agree(path, lambda: self._commit(path, meta, entries))
 
     def poll(self) -> None:
-        """Commit an asynchronous save that has finished writing."""
-        if self._pending is not None and self._pending[0].done():
+        """Commit an asynchronous save once every rank has written and hashed its files. While one is
+        in flight, that costs one all-reduce of a flag per call (per step): the ranks see their saves
+        finish at different steps, and must commit, or fail, at the same one."""
+        if self._pending is None:
+            return
+        done = torch.tensor([int(self._pending[0].done())])
+        if self._poll_group is not None:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
+        if done.item():
             self.wait()
 
     def wait(self) -> None:
+        """Finish the asynchronous save in flight: every rank waits for its own write and hashes,
+        then all commit together (or all raise the same one-line error)."""
         if self._pending is not None:
-            future, path, meta = self._pending
+            hashed, path, meta = self._pending
             self._pending = None
-            with self._discarded_on_failure(path):
-                future.result()  # on rank 0 this returns once every rank's files are written
-                self._commit(path, meta)
+            entries = self._agree(path, hashed.result)
+            self._agree(path, lambda: self._commit(path, meta, entries))
 
     def _refuse_nonfinite(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """Every rank checks its shards; one all-reduce of the count decides for all."""
@@ -216,24 +232,26 @@ class Checkpointer:
             rng["cuda"] = torch.cuda.get_rng_state()
         save_file(rng, str(path / "rng" / f"rank_{self.rank}.safetensors"))
 
-    def _agree(self, path: Path, action) -> None:
-        """Run ``action`` on every rank; when it failed on any, every rank raises that failure's line
-        (none is left waiting in a collective for a rank that has given up)."""
-        error = None
+    def _agree(self, path: Path, action) -> list:
+        """Run ``action`` on every rank; returns every rank's result, in rank order. When it failed on
+        any, every rank raises that failure's line (none is left waiting in a collective for a rank
+        that has given up)."""
+        error, result = None, None
         try:
             with checkpoint_errors(path, saving=True):
-                action()
+                result = action()
         except CheckpointError as e:
             error = e
-        problems = [str(error) if error else None]
+        outcomes = [(str(error) if error else None, result)]
         if self.group is not None:
-            problems = [None] * self.world_size
-            dist.all_gather_object(problems, str(error) if error else None, group=self.group)
-        failed = [(r, p) for r, p in enumerate(problems) if p]
+            outcomes = [None] * self.world_size
+            dist.all_gather_object(outcomes, (str(error) if error else None, result), group=self.group)
+        failed = [(r, problem) for r, (problem, _) in enumerate(outcomes) if problem]
         if failed:
             self._discard(path)
             r, problem = failed[0]
             raise CheckpointError(problem if r == 0 else f"rank {r}: {problem}", every_rank=True) from error
+        return [result for _, result in outcomes]
 
     @contextlib.contextmanager
     def _discarded_on_failure(self, path: Path):
@@ -249,22 +267,28 @@ class Checkpointer:
         if self.rank == 0 and not (path / COMPLETE).exists():
             shutil.rmtree(path, ignore_errors=True)
 
-    def _commit(self, path: Path, meta: dict) -> None:
-        """Rank 0, once every rank's files are written: meta.json, the manifest, then COMPLETE."""
+    def _hash_own(self, path: Path, written=None) -> dict[str, dict]:
+        """The manifest entries of the files this rank wrote (its shard, its RNG state), hashed here:
+        every rank reads its own files once, in parallel, instead of rank 0 reading them all.
+        ``written``: the asynchronous save's future, waited for first (this runs in its own thread)."""
+        if written is not None:
+            written.result()
+        return file_entries(path, _own_files(path, self.rank))
+
+    def _commit(self, path: Path, meta: dict, entries: list[dict[str, dict]]) -> None:
+        """Rank 0, once every rank has written and hashed its files (``entries``, one per rank):
+        meta.json, the manifest (rank 0 hashes what no rank did: meta.json, config.yaml), COMPLETE."""
         if self.rank != 0:
             return
         _write_atomic(path / META, json.dumps(meta, indent=2))
-        missing = _missing_rank_file(path, self.world_size)
-        if missing:
-            raise CheckpointError(f"saving {path} failed: {missing} was not written. Fix: check the file system; "
-                                  f"the previous checkpoint is intact and the run resumes from it")
-        write_manifest(path, [p for p in path.rglob("*") if p.is_file()])
+        hashed = {name: entry for own in entries for name, entry in own.items()}
+        write_manifest(path, [p for p in path.rglob("*") if p.is_file()], entries=hashed)
         _write_atomic(path / COMPLETE, "")
         self.progress.saved(path.name)  # an async save: steps after it started, from poll() or wait()
         # Older checkpoints go only once this one is committed and its files match the manifest.
         if self.cfg.keep_last > 0 and verify_manifest(path, "size", ignore=[COMPLETE]) is None:
             for old in complete_steps(self.root)[: -self.cfg.keep_last]:
-                shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
+                remove_checkpoint(self.root / f"step_{old}")
 
     # -- loading --------------------------------------------------------------------------
 
@@ -343,14 +367,27 @@ def _scheduler_state(scheduler) -> dict | None:
     return scheduler.state_dict()  # plain numbers (a partial's lr_lambdas entry is its empty __dict__): JSON
 
 
-def _missing_rank_file(path: Path, world_size: int) -> str | None:
-    """The first file a rank must have written that is not there: its shard or its RNG state."""
-    for r in range(world_size):
-        if not (path / "rng" / f"rank_{r}.safetensors").is_file():
-            return f"rank {r}'s rng/rank_{r}.safetensors"
-        if not any(path.glob(_SHARD.format(r + 1) + "*.safetensors")):
-            return f"rank {r}'s {_SHARD.format(r + 1)}*.safetensors"
-    return None
+def _own_files(path: Path, rank: int) -> list[Path]:
+    """The files rank ``rank`` wrote: its RNG state and its shards. Raises when one is not there."""
+    rng = path / "rng" / f"rank_{rank}.safetensors"
+    shards = sorted(path.glob(_SHARD.format(rank + 1) + "*.safetensors"))
+    missing = f"rng/{rng.name}" if not rng.is_file() else None if shards else f"{_SHARD.format(rank + 1)}*.safetensors"
+    if missing:
+        raise CheckpointError(f"saving {path} failed: rank {rank}'s {missing} was not written. Fix: check the file "
+                              f"system; the previous checkpoint is intact and the run resumes from it")
+    return [rng, *shards]
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete checkpoint ``path``, its COMPLETE marker first (made durable): a kill in the middle
+    leaves an incomplete folder, removed at the next start, never a complete one with files missing."""
+    (path / COMPLETE).unlink(missing_ok=True)
+    folder = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:

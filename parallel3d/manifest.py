@@ -11,6 +11,11 @@ against an attacker who can rewrite the manifest too. Blocks are hashed in paral
     write_manifest(folder, files)                 # after the files, before the folder's marker
     verify_manifest(folder, "checksum")           # None, or one line: which file, what is wrong
 
+Many ranks share the reading: each hashes the files it wrote (``file_entries``) and one writes
+the manifest from all entries (``write_manifest(..., entries=...)``); ``verify_manifest(...,
+group=...)`` has each rank of a process group check every n-th file and block, and one
+all-gather gives every rank the answer a single process would give.
+
 Verify modes: ``checksum`` (sizes and hashes), ``size`` (sizes only: a stat per file), ``none``.
 """
 
@@ -24,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
+import torch.distributed as dist
 import xxhash
 
 MANIFEST = "manifest.json"
@@ -57,27 +63,47 @@ def hash_of(path: Path, start: int = 0, length: int | None = None) -> str:
     return digest.hexdigest()
 
 
+def _hash_blocks(folder: Path, blocks: list[tuple[str, int]], block: int) -> list[str]:
+    """The hash of each (file, start) block of ``block`` bytes, in parallel threads."""
+    with ThreadPoolExecutor(max(1, min(len(blocks), os.cpu_count() or 1, 16))) as pool:
+        return list(pool.map(lambda b: hash_of(folder / b[0], b[1], block), blocks))
+
+
+def _blocks(sizes: dict[str, int], block: int) -> list[tuple[str, int]]:
+    return [(name, start) for name, size in sizes.items() for start in range(0, max(size, 1), block)]
+
+
 def block_hashes(folder: Path, sizes: dict[str, int], block: int) -> dict[str, list[str]]:
     """Each file's hash per ``block`` bytes, the blocks of all files hashed in parallel threads."""
-    blocks = [(name, start) for name, size in sizes.items() for start in range(0, max(size, 1), block)]
-    with ThreadPoolExecutor(max(1, min(len(blocks), os.cpu_count() or 1, 16))) as pool:
-        hashes = pool.map(lambda b: hash_of(folder / b[0], b[1], block), blocks)
-        found: dict[str, list[str]] = {name: [] for name in sizes}
-        for (name, _), digest in zip(blocks, hashes):
-            found[name].append(digest)
+    blocks = _blocks(sizes, block)
+    found: dict[str, list[str]] = {name: [] for name in sizes}
+    for (name, _), digest in zip(blocks, _hash_blocks(folder, blocks, block)):
+        found[name].append(digest)
     return found
 
 
-def write_manifest(folder: Path, files: Iterable[str | Path]) -> dict:
-    """Hash ``files`` (paths under ``folder``, relative or not) and write ``folder/manifest.json``
-    atomically (a temporary name, fsync, rename). Returns the manifest."""
+def _names(folder: Path, files: Iterable[str | Path]) -> list[str]:
+    return sorted({Path(f).relative_to(folder).as_posix() if Path(f).is_absolute() else Path(f).as_posix()
+                   for f in files})
+
+
+def file_entries(folder: Path, files: Iterable[str | Path]) -> dict[str, dict]:
+    """The manifest entries (size, block hashes) of ``files`` under ``folder``: what one rank
+    contributes for the files it wrote itself, hashed where they were written."""
     folder = Path(folder)
-    names = sorted({Path(f).relative_to(folder).as_posix() if Path(f).is_absolute() else Path(f).as_posix()
-                    for f in files})
-    sizes = {name: (folder / name).stat().st_size for name in names}
+    sizes = {name: (folder / name).stat().st_size for name in _names(folder, files)}
     hashes = block_hashes(folder, sizes, BLOCK)
+    return {name: {"size": sizes[name], CHECKSUM: hashes[name]} for name in sizes}
+
+
+def write_manifest(folder: Path, files: Iterable[str | Path], *, entries: dict[str, dict] | None = None) -> dict:
+    """Hash ``files`` (paths under ``folder``, relative or not) and write ``folder/manifest.json``
+    atomically (a temporary name, fsync, rename). ``entries``: files hashed already (file_entries,
+    by the ranks that wrote them), taken as they are. Returns the manifest."""
+    folder, entries = Path(folder), entries or {}
+    listed = entries | file_entries(folder, [name for name in _names(folder, files) if name not in entries])
     manifest = {"format": _FORMAT, "checksum": CHECKSUM, "block_bytes": BLOCK,
-                "files": {name: {"size": sizes[name], CHECKSUM: hashes[name]} for name in names}}
+                "files": {name: listed[name] for name in sorted(listed)}}
     tmp = folder / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -99,46 +125,95 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def verify_manifest(folder: Path, mode: str, *, ignore: Iterable[str] = ()) -> str | None:
+def gathered(value, group) -> list:
+    """``value`` of every rank of ``group`` in rank order, on every rank (``[value]`` without a group)."""
+    if group is None:
+        return [value]
+    values = [None] * group.size()
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def verify_manifest(folder: Path, mode: str, *, ignore: Iterable[str] = (), group=None) -> str | None:
     """What is wrong with ``folder`` against its manifest, as one line naming the file, or None.
 
     Every listed file must exist with its size (and, under ``checksum``, its hash); every other
     file in the folder must be listed, except the manifest and names matching an ``ignore`` pattern
     (a marker written after the manifest, say). Raises ManifestMissing when there is no manifest.
+    ``group``: a process group whose ranks split the work (each checks every n-th file and block)
+    and then agree, in one all-gather, on the same answer a single process would give.
     """
     if mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {mode!r}: expected one of {VERIFY_MODES}")
     if mode == "none":
         return None
-    folder = Path(folder)
+    share = (group.rank(), group.size()) if group is not None else (0, 1)
+    return first_problem(Path(folder), gathered(share_problem(folder, mode, ignore=ignore, share=share), group))
+
+
+def first_problem(folder: Path, problems: list[tuple | None]) -> str | None:
+    """The one line of the ranks' share_problem results: the one a single process finds first."""
+    if NO_MANIFEST in problems:
+        raise ManifestMissing(f"{folder / MANIFEST} does not exist")
+    found = [p for p in problems if p is not None]
+    return min(found)[-1] if found else None
+
+
+def share_problem(folder: Path, mode: str, *, ignore: Iterable[str] = (), share: tuple[int, int] = (0, 1)):
+    """This rank's part of verify_manifest: ``share`` = (index, count) checks every count-th file
+    (from the index-th) and every count-th block. The first problem as a sortable (kind, file,
+    offset, line), NO_MANIFEST, or None."""
+    folder, (index, count) = Path(folder), share
     try:
         manifest = read_manifest(folder)
         listed, block = manifest["files"], manifest.get("block_bytes", BLOCK)
+    except ManifestMissing:
+        return NO_MANIFEST
     except (ValueError, OSError) as e:
-        if isinstance(e, ManifestMissing):
-            raise
-        return f"{folder / MANIFEST} is unreadable ({' '.join(str(e).split())})"
-    for name, entry in sorted(listed.items()):
-        path = folder / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if (size := path.stat().st_size) != entry["size"]:
-            how = "truncated" if size < entry["size"] else "overwritten or appended to"
-            return f"{path}: size {size} != {entry['size']} in the manifest ({how})"
-    patterns = (MANIFEST, MANIFEST + ".tmp", *ignore)
+        return 0, "", 0, f"{folder / MANIFEST} is unreadable ({' '.join(str(e).split())})"
+    blocks = _blocks({name: listed[name]["size"] for name in sorted(listed)}, block)[index::count]
+    try:
+        for name in sorted(set(sorted(listed)[index::count]) | {name for name, _ in blocks}):
+            if problem := _size_problem(folder / name, listed[name]["size"]):
+                return 1, name, 0, problem
+        if index == 0 and (problem := _unlisted(folder, listed, (MANIFEST, MANIFEST + ".tmp", *ignore))):
+            return problem
+        if mode == "checksum":
+            return _checksum_problem(folder, manifest, blocks)
+    except OSError as e:  # unreadable (an I/O error): a problem like any other, on every rank
+        return 1, Path(e.filename or "").name, 0, f"{e.filename or folder} is unreadable ({e.strerror or e})"
+    return None
+
+
+NO_MANIFEST = (-1, "", 0, "")
+
+
+def _size_problem(path: Path, expected: int) -> str | None:
+    if not path.is_file():
+        return f"{path} is missing"
+    if (size := path.stat().st_size) != expected:
+        how = "truncated" if size < expected else "overwritten or appended to"
+        return f"{path}: size {size} != {expected} in the manifest ({how})"
+    return None
+
+
+def _unlisted(folder: Path, listed: dict, patterns: tuple[str, ...]) -> tuple | None:
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         name = path.relative_to(folder).as_posix()
         if name not in listed and not any(fnmatch.fnmatch(name, p) for p in patterns):
-            return f"{path} is not in the manifest"
-    if mode == "checksum":
-        if manifest.get("checksum") != CHECKSUM:
-            return f"{folder / MANIFEST}: unknown checksum {manifest.get('checksum')!r} (expected {CHECKSUM})"
-        found = block_hashes(folder, {name: entry["size"] for name, entry in listed.items()}, block)
-        for name in sorted(listed):
-            for i, (got, want) in enumerate(zip(found[name], listed[name][CHECKSUM])):
-                if got != want:
-                    start = i * block
-                    end = min(start + block, listed[name]["size"])
-                    return (f"{folder / name}: checksum mismatch in bytes {start}..{end} "
-                            f"({CHECKSUM} {got}, manifest {want})")
+            return 2, name, 0, f"{path} is not in the manifest"
+    return None
+
+
+def _checksum_problem(folder: Path, manifest: dict, blocks: list[tuple[str, int]]) -> tuple | None:
+    if manifest.get("checksum") != CHECKSUM:
+        return 3, "", 0, f"{folder / MANIFEST}: unknown checksum {manifest.get('checksum')!r} (expected {CHECKSUM})"
+    listed, block = manifest["files"], manifest.get("block_bytes", BLOCK)
+    for (name, start), got in zip(blocks, _hash_blocks(folder, blocks, block)):
+        wanted = listed[name][CHECKSUM]
+        want = wanted[start // block] if start // block < len(wanted) else None
+        if got != want:
+            end = min(start + block, listed[name]["size"])
+            return 4, name, start, (f"{folder / name}: checksum mismatch in bytes {start}..{end} "
+                                    f"({CHECKSUM} {got}, manifest {want})")
     return None

@@ -2,9 +2,10 @@
 
 A checkpoint restores state (weights, optimizer moments, RNG, data position, the step); the
 config decides everything else, the learning-rate schedule included (optim.set_schedule_step).
-Before any rank loads anything, rank 0 checks each candidate (meta.json parses, every
+Before any rank loads anything, the ranks check each candidate together (meta.json parses, every
 safetensors file is as long as its header says, and every file matches the checkpoint's
-manifest.json as ``checkpoint.verify`` says) and tells the other ranks its verdict, so all load
+manifest.json as ``checkpoint.verify`` says): each checks every n-th file and block, one
+all-gather of what they found gives every rank the same verdict at the same time, so all load
 the same checkpoint or all stop. A corrupt newest checkpoint is skipped for the newest one that
 verifies, with one line naming the file, instead of failing deep inside DCP with a traceback.
 """
@@ -23,37 +24,48 @@ from parallel3d.base import ConfigError, RunError
 from parallel3d.checkpoint import COMPLETE, META, complete_steps, find_checkpoint
 from parallel3d.checkpoint_failures import CheckpointError, describe
 from parallel3d.data.tokenizer import tokenizer_hash
-from parallel3d.manifest import MANIFEST, ManifestMissing, verify_manifest
+from parallel3d.manifest import MANIFEST, ManifestMissing, first_problem, gathered, share_problem
 
 # Keys that differ between any two starts and say nothing about training.
 UNCOMPARED = ("run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.create_seed")
 
 
-def checkpoint_problem(path: Path, verify: str = "checksum") -> str | None:
+def checkpoint_problem(path: Path, verify: str = "checksum", *, group=None) -> str | None:
     """What is wrong with the files of checkpoint ``path``, or None. ``verify``: how its files are
     checked against its manifest (``checksum``, ``size``, ``none``); one written before manifests
-    existed gets the structural checks alone."""
+    existed gets the structural checks alone. ``group``: a process group whose ranks share the
+    reading (each every n-th file and block) and all return the same answer (one all-gather)."""
+    share = (group.rank(), group.size()) if group is not None else (0, 1)
+    manifest = share_problem(path, verify, ignore=[COMPLETE], share=share) if verify != "none" else None
+    found = gathered((manifest, _structure_problem(path, share)), group)
     try:
-        problem = verify_manifest(path, verify, ignore=[COMPLETE])
+        problem = first_problem(path, [m for m, _ in found])
     except ManifestMissing:
         problem = None
-    return problem or _structure_problem(path)
+    structure = sorted(s for _, s in found if s is not None)
+    return problem or (structure[0][-1] if structure else None)
 
 
-def _structure_problem(path: Path) -> str | None:
-    try:
-        meta = json.loads((path / META).read_text())
-        if not {"step", "model_only"} <= meta.keys():
-            return f"{path / META} lacks step or model_only"
-    except (OSError, ValueError) as e:
-        return f"{path / META} is unreadable ({type(e).__name__})"
+def _structure_problem(path: Path, share: tuple[int, int]) -> tuple[int, str] | None:
+    """This rank's share of the structural checks: (order, line) of the first problem, or None."""
+    index, count = share
     shards = sorted(path.rglob("*.safetensors"))
-    if not [s for s in shards if s.parent == path]:
-        return f"{path} has no shard-*.safetensors file"
-    for shard in shards:
-        problem = safetensors_problem(shard)
+    if index == 0:
+        try:
+            meta = json.loads((path / META).read_text())
+            if not {"step", "model_only"} <= meta.keys():
+                return -2, f"{path / META} lacks step or model_only"
+        except (OSError, ValueError) as e:
+            return -2, f"{path / META} is unreadable ({type(e).__name__})"
+        if not [s for s in shards if s.parent == path]:
+            return -1, f"{path} has no shard-*.safetensors file"
+    for order in range(index, len(shards), count):
+        try:
+            problem = safetensors_problem(shards[order])
+        except OSError as e:
+            problem = f"is unreadable ({e.strerror or type(e).__name__})"
         if problem:
-            return f"{shard} {problem}"
+            return order, f"{shards[order]} {problem}"
     return None
 
 
@@ -81,28 +93,26 @@ def pick_checkpoint(root: Path, resume: str, announce: bool, *, verify: str = "c
     skipped for the newest one that verifies (said on the console when ``announce``); a named one
     that fails is refused. Collective when a process group is up: rank 0 checks, every rank gets
     its verdict (the same path, or the same CheckpointError)."""
-    return _decided_by_rank0(lambda: _pick(root, resume, announce, verify), root)
+    group = dist.group.WORLD if dist.is_initialized() else None
+    return _decided_together(lambda: _pick(root, resume, announce, verify, group), root, group)
 
 
-def _decided_by_rank0(decide, path: Path):
-    """``decide()`` on rank 0 (reading each file once, not once per rank); its result, or its
-    failure as a CheckpointError, on every rank: no rank waits for one that has given up."""
-    verdict = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            verdict = [decide()]
-        except RunError as e:
-            verdict = [CheckpointError(str(e), every_rank=True)]
-        except OSError as e:
-            verdict = [CheckpointError(describe(e, path, saving=False), every_rank=True)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(verdict, src=0)
-    if isinstance(verdict[0], RunError):
-        raise verdict[0]
-    return verdict[0]
+def _decided_together(decide, path: Path, group):
+    """``decide()`` on every rank (its checks share the reading out, checkpoint_problem); every
+    rank returns the same result or raises the same CheckpointError, the first failing rank's."""
+    try:
+        verdict = (None, decide())
+    except RunError as e:
+        verdict = (str(e), None)
+    except OSError as e:
+        verdict = (describe(e, path, saving=False), None)
+    failures = [failure for failure, _ in gathered(verdict, group) if failure]
+    if failures:
+        raise CheckpointError(failures[0], every_rank=True)
+    return verdict[1]
 
 
-def _pick(root: Path, resume: str, announce: bool, verify: str) -> Path | None:
+def _pick(root: Path, resume: str, announce: bool, verify: str, group) -> Path | None:
     if resume == "none":
         return None
     if resume != "auto":
@@ -110,7 +120,7 @@ def _pick(root: Path, resume: str, announce: bool, verify: str) -> Path | None:
         if path is None:
             raise RunError(f"checkpoint.resume={resume}: no complete checkpoint there. Fix: name a step_<N> "
                            f"folder, a checkpoints/ folder or a run_dir, or use checkpoint.resume=auto")
-        problem = checkpoint_problem(path, verify)
+        problem = checkpoint_problem(path, verify, group=group)
         if problem:
             raise RunError(f"checkpoint.resume={resume}: {problem}. Fix: name an earlier checkpoint")
         _warn_unverified(path, verify, announce)
@@ -118,7 +128,7 @@ def _pick(root: Path, resume: str, announce: bool, verify: str) -> Path | None:
     problems = []
     for step in reversed(complete_steps(root)):
         path = root / f"step_{step}"
-        problems.append(checkpoint_problem(path, verify))
+        problems.append(checkpoint_problem(path, verify, group=group))
         if problems[-1] is None:
             _warn_unverified(path, verify, announce)
             return path
@@ -133,16 +143,17 @@ def _pick(root: Path, resume: str, announce: bool, verify: str) -> Path | None:
 
 def verify_init_from(path: Path, verify: str, announce: bool) -> None:
     """``checkpoint.init_from`` of one of our checkpoints: refused unless it verifies (collective)."""
+    group = dist.group.WORLD if dist.is_initialized() else None
 
     def decide() -> None:
         found = find_checkpoint(path)
-        problem = checkpoint_problem(found, verify) if found is not None else None
+        problem = checkpoint_problem(found, verify, group=group) if found is not None else None
         if problem:
             raise RunError(f"checkpoint.init_from={path}: {problem}. Fix: write the seed checkpoint again")
         if found is not None:
             _warn_unverified(found, verify, announce)
 
-    _decided_by_rank0(decide, path)
+    _decided_together(decide, path, group)
 
 
 def _warn_unverified(path: Path, verify: str, announce: bool) -> None:

@@ -9,18 +9,24 @@ to 1e-6. The in-process tests cover the checkpoint folder itself.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import pickle
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from conftest import FAST, Run, launch, launch_batch, relative_error, selected_params
+import parallel3d.checkpoint as checkpoint_module
+import parallel3d.manifest as manifest_module
 from parallel3d.base import RunError
 from parallel3d.checkpoint import COMPLETE, Checkpointer, TrainState, complete_steps, find_checkpoint
+from parallel3d.checkpoint_failures import CheckpointError
 from parallel3d.config import CheckpointConfig, ModelConfig, OptimConfig
+from parallel3d.manifest import read_manifest
 from parallel3d.models import Transformer
 from parallel3d.optim import build_lr_scheduler
 from parallel3d.resume import pick_checkpoint
@@ -258,12 +264,78 @@ def test_incomplete_checkpoints_are_ignored_then_removed(tmp_path):
     assert not partial.exists() and (tmp_path / "checkpoints" / "step_2").exists()
 
 
-def test_keep_last_prunes_older_checkpoints(tmp_path):
+def test_keep_last_prunes_older_checkpoints_marker_first(tmp_path, monkeypatch):
+    """A kill while an old checkpoint's files are deleted must leave no COMPLETE behind them."""
+    removed, rmtree = [], shutil.rmtree
+
+    def recorded(path, *args, **kwargs):
+        if Path(path).exists():
+            removed.append((Path(path).name, (Path(path) / COMPLETE).exists()))
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", recorded)
     state = _tiny_state()
     ckpt = _checkpointer(tmp_path, every=1, keep_last=2)
     for step in (1, 2, 3, 4):
         ckpt.save(step, state, {"samples_seen": 0}, "")
     assert complete_steps(tmp_path / "checkpoints") == [3, 4]
+    assert removed == [("step_1", False), ("step_2", False)]
+
+
+def _saves_on_two_ranks(rank: int, folder: Path) -> None:
+    """One of two gloo processes of the test below: a sync save, an async one, an async one whose
+    commit fails on rank 0 alone, then a resume's verification. Writes what it saw to rank<r>.json."""
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=rank, world_size=2)
+    hashed, verified = {}, []
+    own_entries, hash_blocks = checkpoint_module.file_entries, manifest_module._hash_blocks
+    checkpoint_module.file_entries = lambda path, files: (
+        hashed.setdefault(path.name, []).extend(Path(f).relative_to(path).as_posix() for f in files)
+        or own_entries(path, files))
+    manifest_module._hash_blocks = lambda path, blocks, block: verified.extend(blocks) or hash_blocks(path, blocks, block)
+    state = TrainState([torch.nn.ModuleDict({f"rank{rank}": torch.nn.Linear(4, 4)})])  # each rank its own keys
+    Checkpointer(folder, CheckpointConfig(keep_last=0)).save(1, state, {"samples_seen": 0}, "")
+    ckpt = Checkpointer(folder, CheckpointConfig(keep_last=0, async_save=True))
+    polls, error = 0, None
+    for step in (2, 3):
+        if step == 3 and rank == 0:  # rank 0's meta.json write fails: rank 1's commit has nothing to fail
+            checkpoint_module._write_atomic = lambda path, text: (_ for _ in ()).throw(OSError(5, "injected", path))
+        ckpt.save(step, state, {"samples_seen": 0}, "")
+        try:
+            while ckpt._pending is not None:
+                ckpt.poll()
+                polls += 1
+        except CheckpointError as e:
+            error = str(e)
+    verified.clear()  # what the saves hashed: from here, what the resume's verification reads
+    picked = pick_checkpoint(folder / "checkpoints", "auto", announce=False)
+    (folder / f"rank{rank}.json").write_text(json.dumps({"hashed": hashed, "verified": verified, "polls": polls,
+                                                         "error": error, "picked": str(picked)}))
+    dist.destroy_process_group()
+
+
+def test_each_rank_hashes_its_own_files_and_verifies_its_share(tmp_path):
+    """Two processes: each rank hashes exactly the files it wrote (sync and async), a failed async
+    commit raises the same line on both ranks at the same step, and each block is verified once."""
+    procs = [multiprocessing.get_context("spawn").Process(target=_saves_on_two_ranks, args=(r, tmp_path))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for step in ("step_1", "step_2"):
+        listed = set(read_manifest(tmp_path / "checkpoints" / step)["files"])
+        for r in (0, 1):
+            own = seen[r]["hashed"][step]
+            assert own[0] == f"rng/rank_{r}.safetensors" and own[1].startswith(f"shard-{r + 1:05d}-") and len(own) == 2
+        assert listed == {*seen[0]["hashed"][step], *seen[1]["hashed"][step], "meta.json", "config.yaml"}
+    assert seen[0]["polls"] == seen[1]["polls"]
+    assert seen[0]["error"] == seen[1]["error"] and "injected" in seen[0]["error"]
+    assert seen[0]["picked"] == seen[1]["picked"] == str(tmp_path / "checkpoints" / "step_2")
+    assert not (tmp_path / "checkpoints" / "step_3").exists()
+    verified = [tuple(b) for s in seen for b in s["verified"]]
+    assert seen[0]["verified"] and seen[1]["verified"] and len(verified) == len(set(verified)) == len(listed)
 
 
 def test_resume_takes_a_step_folder_a_checkpoints_folder_or_a_run_dir(tmp_path):

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
-from parallel3d.manifest import MANIFEST, ManifestMissing, hash_of, read_manifest, verify_manifest, write_manifest
+from parallel3d.manifest import (MANIFEST, ManifestMissing, file_entries, hash_of, read_manifest, verify_manifest,
+                                 write_manifest)
 import parallel3d.manifest as manifest_module
 
 
@@ -77,3 +81,54 @@ def test_a_missing_or_corrupt_manifest(tmp_path):
     with pytest.raises(ManifestMissing):
         verify_manifest(folder, "checksum")
     assert verify_manifest(folder, "none") is None
+
+
+def test_entries_hashed_elsewhere_are_taken_as_they_are(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"a" * 10)
+    (tmp_path / "b.bin").write_bytes(b"b" * 10)
+    entries = file_entries(tmp_path, ["a.bin"])  # a rank that wrote a.bin hashed it
+    assert write_manifest(tmp_path, [tmp_path / "a.bin", tmp_path / "b.bin"], entries=entries)["files"] == \
+        entries | file_entries(tmp_path, ["b.bin"])
+    assert verify_manifest(tmp_path, "checksum") is None
+
+
+def _verify_on_two_ranks(folder, monkeypatch) -> tuple[dict, dict]:
+    """verify_manifest on two gloo ranks (threads of this process, a store in memory): each rank's
+    answer, and the (file, offset) blocks each rank hashed."""
+    store, answers, hashed = dist.HashStore(), {}, {"0": [], "1": []}
+    hash_blocks = manifest_module._hash_blocks
+
+    def counted(folder, blocks, block):
+        hashed.setdefault(threading.current_thread().name, []).extend(blocks)
+        return hash_blocks(folder, blocks, block)
+
+    def rank_verifies(rank: int) -> None:
+        group = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+        answers[rank] = verify_manifest(folder, "checksum", group=group)
+
+    monkeypatch.setattr(manifest_module, "_hash_blocks", counted)
+    threads = [threading.Thread(target=rank_verifies, args=(rank,), name=str(rank)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return answers, hashed
+
+
+def test_ranks_split_the_verification_and_agree_on_the_first_problem(tmp_path, monkeypatch):
+    """Each block is read by one rank only, and both ranks answer what one process would."""
+    monkeypatch.setattr(manifest_module, "BLOCK", 1000)
+    (tmp_path / "big.bin").write_bytes(bytes(range(256)) * 10)  # blocks at 0, 1000, 2000
+    (tmp_path / "small.bin").write_bytes(b"x" * 10)
+    write_manifest(tmp_path, ["big.bin", "small.bin"])
+    answers, hashed = _verify_on_two_ranks(tmp_path, monkeypatch)
+    assert answers == {0: None, 1: None}
+    assert hashed["0"] and hashed["1"] and not set(hashed["0"]) & set(hashed["1"])
+    assert sorted(hashed["0"] + hashed["1"]) == [("big.bin", 0), ("big.bin", 1000), ("big.bin", 2000), ("small.bin", 0)]
+    for flipped in (2100, 1100):  # the second block goes to the other rank than the third
+        data = bytearray((tmp_path / "big.bin").read_bytes())
+        data[flipped] ^= 1
+        (tmp_path / "big.bin").write_bytes(bytes(data))
+        alone = verify_manifest(tmp_path, "checksum")
+        assert f"big.bin: checksum mismatch in bytes {flipped // 1000 * 1000}.." in alone
+        assert _verify_on_two_ranks(tmp_path, monkeypatch)[0] == {0: alone, 1: alone}

@@ -65,15 +65,17 @@ def evict(folder: Path) -> None:
 def measure(state: TrainState, folder: Path, repeats: int) -> dict:
     times: dict = {}
     checkpointer = Checkpointer(folder, CheckpointConfig(keep_last=1))
-    real = checkpoint_module.write_manifest, checkpoint_module.verify_manifest
+    real = checkpoint_module.write_manifest, checkpoint_module.verify_manifest, checkpoint_module.file_entries
     for repeat in range(repeats):
         for manifest in ((True, False) if repeat % 2 == 0 else (False, True)):
-            if not manifest:  # no manifest written, none checked before keep_last removes the older one
+            if not manifest:  # nothing hashed, no manifest written, none checked before keep_last removes the older one
                 checkpoint_module.write_manifest = checkpoint_module.verify_manifest = lambda *a, **k: None
+                checkpoint_module.file_entries = lambda *a, **k: {}
             try:
                 seconds = timed(lambda: checkpointer.save(repeat, state, {"samples_seen": 0}, ""))
             finally:
-                checkpoint_module.write_manifest, checkpoint_module.verify_manifest = real
+                (checkpoint_module.write_manifest, checkpoint_module.verify_manifest,
+                 checkpoint_module.file_entries) = real
             times.setdefault(("save", manifest), []).append(seconds)
     checkpointer.save(repeats, state, {"samples_seen": 0}, "")  # with its manifest: the one loaded
     target = build_state(state.parts[0].tok_embeddings.weight.shape[1], len(state.parts[0].layers))
