@@ -52,11 +52,12 @@ def installed(tmp_path_factory) -> Installed:
     venv_site = subprocess.run([venv / "bin" / "python", "-c", purelib], capture_output=True, text=True,
                                check=True).stdout.strip()
     Path(venv_site, "parent_site_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    # Without PYTHONPATH: a checkout on it would look installed already, and pip would skip the wheel.
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--no-deps", "-q",
-                    str(wheel)], check=True)
+                    str(wheel)], check=True, env=environ)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     environ.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", TQDM_DISABLE="1")
     return Installed(venv, elsewhere, environ)
 
