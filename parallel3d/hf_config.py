@@ -173,9 +173,11 @@ def apply_hf_folder(cfg, user_keys: set[str]):
         _refuse(path, f"its config.json has {hf_key}={theirs} but model.{key}={ours} was set",
                 f"drop model.{key}")
     cfg = copy.deepcopy(cfg)
+    values = {"name": path.name, "moe": {}}
     for key, (_, value) in read_model(path).items():
-        OmegaConf.update(cfg.model, key, value, merge=False)
-    cfg.model.name = path.name
+        section, _, name = key.rpartition(".")
+        (values["moe"] if section else values)[name] = value
+    cfg.model = OmegaConf.merge(cfg.model, values)
     _apply_tokenizer(cfg, path, "data.tokenizer" in user_keys)
     return cfg
 
