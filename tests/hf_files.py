@@ -34,8 +34,10 @@ def tiny_tokenizer(folder: Path, *, eos: str = "<|im_end|>") -> Path:
     return folder
 
 
-def tiny_qwen3(folder: Path, *, moe: bool = False, seed: int = 0, eos: str = "<|im_end|>", **overrides) -> Path:
-    """A random tiny Qwen3 (or Qwen3-MoE) folder with its tokenizer; ``overrides`` go to the config."""
+def tiny_qwen3(folder: Path, *, moe: bool = False, seed: int = 0, eos: str = "<|im_end|>", max_shard_size: str = "5GB",
+               **overrides) -> Path:
+    """A random tiny Qwen3 (or Qwen3-MoE) folder with its tokenizer; ``overrides`` go to the config.
+    A small ``max_shard_size`` makes several safetensors files and an index, as large hub models have."""
     import transformers
 
     tiny_tokenizer(folder, eos=eos)
@@ -52,7 +54,7 @@ def tiny_qwen3(folder: Path, *, moe: bool = False, seed: int = 0, eos: str = "<|
         config = transformers.Qwen3Config(**common, **overrides)
         cls = transformers.Qwen3ForCausalLM
     torch.manual_seed(seed)
-    cls(config).eval().save_pretrained(folder)
+    cls(config).eval().save_pretrained(folder, max_shard_size=max_shard_size)
     return folder
 
 
