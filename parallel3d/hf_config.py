@@ -132,7 +132,10 @@ def _refuse(path: Path, problem: str, fix: str):
 
 
 def _effective(key: str, value, model) -> object:
-    """A value as the model uses it: head_dim 0 and expert_ffn_dim 0 stand for their defaults."""
+    """A value as the model uses it: head_dim 0 and expert_ffn_dim 0 stand for their defaults, and
+    ffn_dim is unused where every block is a MoE."""
+    if key == "ffn_dim" and model.get("moe.num_experts") and model.get("moe.every") == 1:
+        return None
     if key == "head_dim":
         return value or model["dim"] // model["n_heads"]
     if key == "moe.expert_ffn_dim":
