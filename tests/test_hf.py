@@ -247,8 +247,9 @@ def test_init_from_refuses_another_shape_naming_the_key(models, tmp_path):
 
 @pytest.mark.multirank
 def test_init_from_export_at_another_layout(models):
-    """Two tensor-parallel ranks, each reading its slices of the export, start where one process does."""
-    export = models.export("untied")
+    """Two tensor-parallel ranks, each reading its slices of the export (several files and an
+    index), start where one process does."""
+    export = models.export("untied", max_shard_size="300KB")
     init = [*FAST, "train.steps=2", f"checkpoint.init_from={export}"]
     single = launch(models.root / "init-single", init)
     tp2 = launch(models.root / "init-tp2", [*init, "parallel.tp=2"], nproc=2)
