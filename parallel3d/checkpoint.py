@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-from parallel3d import hf
+from parallel3d import hf, hf_config
 from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.config import CheckpointConfig
 from parallel3d.manifest import file_entries, verify_manifest, write_manifest
@@ -324,7 +324,7 @@ class Checkpointer:
     def load_weights(self, path: Path, state: TrainState, model_cfg) -> None:
         """Initial weights only, from one of our checkpoints or a Hugging Face Llama folder."""
         if hf.is_hf_dir(path):
-            hf.check_shapes(path, model_cfg)
+            hf_config.check_agrees(path, model_cfg)
             targets, copies = _model_targets(state, lambda name, param: hf.hf_tensors(name, param, model_cfg))
         else:
             found = find_checkpoint(path)
@@ -399,12 +399,10 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_full_model(parts: list[nn.Module], pp_mesh, path: Path, is_rank0: bool) -> None:
-    """Gather the full weights of every stage onto rank 0 and write one safetensors file.
-
-    For small models and tests (the whole model sits in rank 0's CPU memory); large models are
-    exported from a sharded checkpoint with ``parallel3d-convert-hf``.
-    """
+def full_model_state(parts: list[nn.Module], pp_mesh) -> dict[str, torch.Tensor]:
+    """The full weights of every stage (our names, on the CPU), gathered onto every rank of the stage's
+    group: a collective. For small models and the end of a test run (the whole model in one rank's
+    memory); large models are exported from a sharded checkpoint with ``parallel3d-convert-hf``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = {}
@@ -416,5 +414,4 @@ def save_full_model(parts: list[nn.Module], pp_mesh, path: Path, is_rank0: bool)
         stage_states = [None] * pp_mesh.size()
         dist.all_gather_object(stage_states, full, group=pp_mesh.get_group())
         full = {k: v for s in stage_states for k, v in s.items()}
-    if is_rank0:
-        save_file({k: v.contiguous() for k, v in full.items()}, str(path))
+    return full

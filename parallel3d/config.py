@@ -122,7 +122,7 @@ class TrainConfig:
     param_dtype: str = "float32"  # compute dtype of parameters: float32 | bfloat16 | float16
     reduce_dtype: str = "float32"  # dtype of gradient reduction across data-parallel ranks
     dist_timeout_s: int = 300  # a collective that waits longer fails instead of hanging
-    save_model: bool = False  # write run_dir/model.safetensors (full weights) at the end
+    save_model: bool = False  # write a Hugging Face folder run_dir/hf/ (weights, config, tokenizer) at the end
     # Float8 matmuls through torchao (docs/float8.md): none | tensorwise | rowwise. Emulated on the CPU.
     float8: str = "none"
     float8_skip_small: bool = True  # skip linears torchao's H100 tables say lose in float8 (false: all but the head)
@@ -309,6 +309,33 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from parallel3d.hf_config import apply_hf_folder
+
     register_configs(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    return apply_hf_folder(cfg, user_set_keys(overrides))
+
+
+def user_set_keys(overrides: list[str] | tuple[str, ...]) -> set[str]:
+    """The ``model.*`` and ``data.tokenizer`` keys a person set: on the command line (``model``
+    alone for a model group chosen there) or in the selected recipe's own values. A group default
+    (conf/config.yaml, a recipe's ``defaults``) is a starting point, not a choice: a Hugging Face
+    folder in ``checkpoint.init_from`` replaces it (hf_config.apply_hf_folder)."""
+    from omegaconf import OmegaConf
+
+    from parallel3d.strictconfig import recipe_dirs, selected_recipe
+
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o or o.startswith("~")}
+    recipe = selected_recipe(list(overrides))
+    path = next((d / f"{recipe}.yaml" for d in recipe_dirs(RECIPES_DIR) if (d / f"{recipe}.yaml").is_file()), None)
+    if path is not None:
+        node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        keys |= {f"model.{key}" for key in _dotted(node.get("model") or {})}
+        keys |= {"data.tokenizer"} if "tokenizer" in (node.get("data") or {}) else set()
+    return {key for key in keys if key == "model" or key.startswith("model.") or key == "data.tokenizer"}
+
+
+def _dotted(tree: dict, prefix: str = "") -> list[str]:
+    return [k for key, value in tree.items()
+            for k in (_dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]

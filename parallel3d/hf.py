@@ -16,15 +16,12 @@ checkpoints hold), so an expert is a row of ours: a view, again no copy.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from parallel3d.base import ConfigError
 from parallel3d.config import ModelConfig, head_dim
+from parallel3d.hf_config import is_hf_dir  # noqa: F401  (re-exported: callers ask hf whether a folder is one)
 
 _BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -134,36 +131,3 @@ def check_exportable(cfg: ModelConfig) -> None:
     if moe.num_experts and (moe.shared_experts or moe.router != "softmax"):
         raise ValueError("model.moe: shared experts and the sigmoid router have no Qwen3-MoE or Mixtral "
                          "counterpart; export needs shared_experts=0 and router=softmax")
-
-
-def is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-SHAPE_KEYS = {"hidden_size": "dim", "intermediate_size": "ffn_dim", "num_hidden_layers": "n_layers",
-              "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "vocab_size": "vocab_size",
-              "tie_word_embeddings": "tie_embeddings", "head_dim": "head_dim", "num_experts": "moe.num_experts",
-              "num_local_experts": "moe.num_experts", "moe_intermediate_size": "moe.expert_ffn_dim",
-              "decoder_sparse_step": "moe.every"}
-
-
-def check_shapes(path: Path, cfg: ModelConfig) -> None:
-    """Refuse Hugging Face weights of another shape or family before any tensor is read, naming the key.
-
-    The checkpoint section of validation calls it before any process starts."""
-    hf = json.loads((path / "config.json").read_text())
-    expected = hf_config(cfg, torch.float32)
-    if hf.get("model_type", "llama") != expected["model_type"]:
-        raise ConfigError("checkpoint.init_from", path, f"it is a {hf.get('model_type')} model and model.* "
-                          f"describes {expected['model_type']}", "pick the matching model config (model=...)")
-    for key, ours in SHAPE_KEYS.items():
-        if key not in expected:
-            continue
-        default = hf.get("num_attention_heads") if key == "num_key_value_heads" else expected[key]
-        theirs = hf.get(key, default)
-        if key == "head_dim" and theirs is None:
-            theirs = default
-        if theirs != expected[key]:
-            raise ConfigError("checkpoint.init_from", path, f"its config.json has {key}={theirs} but "
-                              f"model.{ours}={expected[key]}", f"set model.{ours}={theirs} (or pick the "
-                              f"matching model config)")

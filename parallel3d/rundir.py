@@ -28,7 +28,7 @@ import torch.distributed as dist
 MULTIRUN_FLAGS = ("-m", "--multirun")
 LOCK = ".lock"
 # What a run writes at the top of its run_dir; moved aside together by a fresh start.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "wandb", "logs", "model.safetensors")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "wandb", "logs", "hf", "model.safetensors")
 
 
 class RunDirError(RuntimeError):

@@ -25,14 +25,16 @@ from torch.distributed.checkpoint import CheckpointException
 
 from parallel3d import hf, watchdog
 from parallel3d.base import ConfigError, world_size_from_env
-from parallel3d.checkpoint import Checkpointer, TrainState, save_full_model
-from parallel3d.config import CONF_DIR, Config, register_configs
+from parallel3d.checkpoint import Checkpointer, TrainState, full_model_state
+from parallel3d.config import CONF_DIR, Config, register_configs, user_set_keys
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
 from parallel3d.data.checks import check_corpus, check_heldout
 from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.distributed import init_distributed, report_hangs_in
 from parallel3d.evaluate import Evaluator
 from parallel3d.guard import BadStepGuard, TrainingDiverged
+from parallel3d.hf_config import apply_hf_folder, describe
+from parallel3d.hf_export import save_run_model
 from parallel3d.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, log_path, report_failure,
                                  warnings_to_log)
 from parallel3d.mesh import ParallelDims
@@ -59,6 +61,7 @@ SWEEP_FAILURES = SweepFailures()
 def train(cfg: DictConfig) -> Path:
     """Train as ``cfg`` says; returns the run directory. Raises ConfigError before any process group."""
     world_size = world_size_from_env()
+    cfg = apply_hf_folder(cfg, user_set_keys(command_line()))  # checkpoint.init_from=HF_DIR defines the model
     cfg = check(cfg, world_size)  # resolved: dp_shard and zero_stage concrete
     device = init_distributed(cfg.train, world_size)
     is_rank0 = rank() == 0
@@ -102,7 +105,9 @@ def train(cfg: DictConfig) -> Path:
         print_banner(c, setup, world_size, run_dir)
     loop.run(start_step)
     if c.train.save_model:
-        save_full_model(setup.parts, setup.meshes.pp, run_dir / "model.safetensors", is_rank0)
+        state = full_model_state(setup.parts, setup.meshes.pp)  # a collective: every rank
+        if is_rank0:
+            print(save_run_model(run_dir, state, model_cfg=c.model, tokenizer=c.data.tokenizer), flush=True)
     return run_dir
 
 
@@ -292,7 +297,18 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
         else:
             verify_init_from(init_from, c.checkpoint.verify, announce=is_rank0)
         checkpointer.load_weights(init_from, state, c.model)
+        if is_rank0 and hf.is_hf_dir(init_from):
+            with torch.device("meta"):
+                size = num_params(Transformer(c.model))
+            print(describe(init_from, n_params=size, tokenizer=c.data.tokenizer), flush=True)
     return 0, 0
+
+
+def command_line() -> list[str]:
+    """This run's command-line overrides (none outside a Hydra run: config.compose applied them)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def refuse_multirun_under_torchrun() -> None:

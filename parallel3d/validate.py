@@ -18,12 +18,12 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallel3d import hf
+from parallel3d import hf, hf_config
 from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device, world_size_from_env
 from parallel3d.checkpoint import find_checkpoint
 from parallel3d.manifest import VERIFY_MODES
 from parallel3d.data.checks import check_data
-from parallel3d.data.tokenizer import load_tokenizer
+from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
 from parallel3d.guard import check_bad_step_config
 from parallel3d.optim import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
 from parallel3d.optim import LR_SCHEDULES
@@ -341,10 +341,9 @@ def _check_data(d, m) -> None:
         if not Path(d.path).expanduser().is_file():
             raise ConfigError("data.path", d.path, "no such file", "check the path (relative paths start at the "
                               "directory you launch from)")
-    if d.tokenizer != "byte":
-        if not Path(d.tokenizer).expanduser().is_file():
-            raise ConfigError("data.tokenizer", d.tokenizer, "neither 'byte' nor an existing tokenizer.json",
-                              "use data.tokenizer=byte or a path to a Hugging Face tokenizer.json")
+    if d.tokenizer != "byte" and not tokenizer_file(d.tokenizer).is_file():
+        raise ConfigError("data.tokenizer", d.tokenizer, "neither 'byte' nor a tokenizer.json or a folder holding one",
+                          "use data.tokenizer=byte, a Hugging Face tokenizer.json or its folder")
     vocab = load_tokenizer(d.tokenizer).vocab_size
     if vocab > m.vocab_size:
         raise ConfigError("model.vocab_size", m.vocab_size, f"smaller than the tokenizer's vocabulary ({vocab})",
@@ -415,7 +414,7 @@ def _check_checkpoint(ck, m, run_dir: Path | None) -> None:
     if ck.init_from:
         path = Path(ck.init_from).expanduser()
         if hf.is_hf_dir(path):
-            hf.check_shapes(path, m)
+            hf_config.check_agrees(path, m)
         elif (found := find_checkpoint(path)) is None:
             raise ConfigError("checkpoint.init_from", ck.init_from, "neither a checkpoint nor a Hugging Face "
                               "folder (config.json + *.safetensors)", "check the path")

@@ -129,20 +129,27 @@ def layouts(table: dict[str, tuple]) -> list[Layout]:
     return [Layout(name, nproc, tuple(overrides), *tied) for name, (nproc, overrides, *tied) in table.items()]
 
 
+def final_weights(run_dir: Path) -> dict:
+    """What ``train.save_model=true`` wrote: the Hugging Face folder run_dir/hf/ (Hugging Face names),
+    or, for a model no Hugging Face family has, run_dir/model.safetensors (our names)."""
+    from safetensors.torch import load_file
+
+    files = sorted((run_dir / "hf").glob("*.safetensors")) or [run_dir / "model.safetensors"]
+    return {key: tensor for path in files for key, tensor in load_file(str(path)).items()}
+
+
 def assert_matches(reference: Run, run: Run, *, rel: float = 1e-5, metrics: tuple[str, ...] = ("loss", "grad_norm"),
                    weights: bool = False) -> None:
     """``run`` computed what ``reference`` did: each of ``metrics``, over the logged rows that carry
-    it, within relative ``rel``; with ``weights``, the final weights (model.safetensors) within
+    it, within relative ``rel``; with ``weights``, the final weights (``final_weights``) within
     ``rel`` relative and absolute."""
     for key in metrics:
         got, want = [r[key] for r in run.metrics if key in r], [r[key] for r in reference.metrics if key in r]
         assert relative_error(got, want) < rel, (key, run.run_dir.name, got, want)
     if weights:
-        from safetensors.torch import load_file
         import torch
 
-        torch.testing.assert_close(load_file(str(run.run_dir / "model.safetensors")),
-                                   load_file(str(reference.run_dir / "model.safetensors")), rtol=rel, atol=rel)
+        torch.testing.assert_close(final_weights(run.run_dir), final_weights(reference.run_dir), rtol=rel, atol=rel)
 
 
 def selected_params(request, param: str = "name") -> set:

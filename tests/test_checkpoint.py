@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
-from conftest import FAST, Run, launch, launch_batch, relative_error, selected_params
+from conftest import FAST, Run, final_weights, launch, launch_batch, relative_error, selected_params
 import parallel3d.checkpoint as checkpoint_module
 import parallel3d.manifest as manifest_module
 from parallel3d.base import RunError
@@ -98,8 +97,8 @@ def assert_continues(run: Run, source: Run, reference: Run | None = None, tolera
         assert relative_error(run.losses, [ref[s]["loss"] for s in steps]) < tolerance
         assert relative_error([r["grad_norm"] for r in run.metrics], [ref[s]["grad_norm"] for s in steps]) < tolerance
         assert relative_error([r["lr"] for r in run.metrics], [ref[s]["lr"] for s in steps]) < 1e-12
-    torch.testing.assert_close(load_file(str(run.run_dir / "model.safetensors")),
-                               load_file(str(source.run_dir / "model.safetensors")), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(final_weights(run.run_dir), final_weights(source.run_dir), rtol=tolerance,
+                               atol=tolerance)
 
 
 # -- same layout --------------------------------------------------------------------------

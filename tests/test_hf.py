@@ -150,9 +150,11 @@ def test_export_then_init_from_gives_identical_logits(models, name):
 
 def test_export_folder(models):
     out = models.export("untied")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "tokenizer.json", "tokenizer_config.json"]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 4
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, 256, None)
     assert config["rope_scaling"] is None and config["torch_dtype"] == "float32"
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
@@ -237,15 +239,17 @@ def test_init_from_refuses_another_shape_naming_the_key(models, tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(ValueError, match=r"num_hidden_layers=3 but model.n_layers=4"):
         from_hf_dir(other, convert_hf.model_config(models.step_dir("untied")))
-    run = launch(tmp_path / "run", [*FAST, f"checkpoint.init_from={other}"])  # refused before training starts
+    # The folder defines the model; a model key set on the command line must agree (before training starts).
+    run = launch(tmp_path / "run", [*FAST, f"checkpoint.init_from={other}", "model.n_layers=4"])
     assert run.returncode == 2 and not run.metrics
-    assert "config error" in run.stderr and "num_hidden_layers=3 but model.n_layers=4" in run.stderr
+    assert "config error" in run.stderr and "num_hidden_layers=3 but model.n_layers=4 was set" in run.stderr
 
 
 @pytest.mark.multirank
 def test_init_from_export_at_another_layout(models):
-    """Two tensor-parallel ranks, each reading its slices of the export, start where one process does."""
-    export = models.export("untied")
+    """Two tensor-parallel ranks, each reading its slices of the export (several files and an
+    index), start where one process does."""
+    export = models.export("untied", max_shard_size="300KB")
     init = [*FAST, "train.steps=2", f"checkpoint.init_from={export}"]
     single = launch(models.root / "init-single", init)
     tp2 = launch(models.root / "init-tp2", [*init, "parallel.tp=2"], nproc=2)
@@ -253,6 +257,19 @@ def test_init_from_export_at_another_layout(models):
     tp2.assert_finished(2)
     assert relative_error(tp2.losses[:1], single.losses[:1]) < 1e-5
     assert single.losses[0] < models.run("untied").losses[0] - 1.0  # trained weights, not a fresh init
+
+
+def test_byte_run_exports_a_tokenizer_that_tokenizes_as_training_did(models):
+    """A byte-tokenizer run's folder: AutoTokenizer gives ByteTokenizer's ids, 256 is its EOS."""
+    transformers = pytest.importorskip("transformers")
+    from parallel3d.data.tokenizer import ByteTokenizer
+
+    out = models.export("untied")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    texts = ["def f(x):\n\treturn x  ", "  über 世界 🙂", "", "a\r\nb"]
+    assert [tokenizer.encode(t, add_special_tokens=False) for t in texts] == [ByteTokenizer().encode(t) for t in texts]
+    assert tokenizer.decode(ByteTokenizer().encode(texts[1])) == texts[1]
+    assert tokenizer.eos_token_id == 256 == json.loads((out / "generation_config.json").read_text())["eos_token_id"]
 
 
 # -- transformers ---------------------------------------------------------------------------------

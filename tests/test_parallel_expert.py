@@ -6,9 +6,8 @@ and ep2 x cp2 borrow the tp and cp ranks for ep (parallel/expert.py)."""
 from __future__ import annotations
 
 import pytest
-from safetensors.torch import load_file
 
-from conftest import FAST, assert_matches, launch, layouts, prefetch_selected, relative_error
+from conftest import FAST, assert_matches, final_weights, launch, layouts, prefetch_selected, relative_error
 from parallel3d.config import compose
 from parallel3d.validate import ConfigError, check
 
@@ -52,8 +51,9 @@ def test_expert_parallel_layout_trains_like_one_process(parity, moe_reference, l
     tokens = 16 * 64 * 2 * 4  # sequences x length x top_k x MoE blocks
     assert all(sum(r["expert_load"]) == tokens for r in run.metrics)
     assert all(r["expert_load_max_over_mean"] >= 1 for r in run.metrics)
-    weights = load_file(str(run.run_dir / "model.safetensors"))
-    assert weights["layers.0.feed_forward.experts.w1"].shape == (8, 64, 128)  # gathered whole
+    weights = final_weights(run.run_dir)  # Hugging Face names: Mixtral's, one tensor per expert
+    assert [weights[f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight"].shape for e in range(8)] == [
+        (64, 128)] * 8  # gathered whole
 
 
 @pytest.mark.parametrize("overrides,world,key", [
@@ -94,8 +94,7 @@ def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_reference):
         steps = [r["step"] for r in run.metrics]
         assert relative_error(run.losses, [by_step[s]["loss"] for s in steps]) < 1e-5
         assert relative_error([r["aux_loss"] for r in run.metrics], [by_step[s]["aux_loss"] for s in steps]) < 1e-5
-    torch.testing.assert_close(load_file(str(single.run_dir / "model.safetensors")),
-                               load_file(str(source.run_dir / "model.safetensors")), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final_weights(single.run_dir), final_weights(source.run_dir), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.multirank

@@ -1,0 +1,204 @@
+"""A Hugging Face folder as the whole model: ``checkpoint.init_from=HF_DIR`` and nothing else.
+
+``read_model`` turns the folder's ``config.json`` into every ``model.*`` key that changes the
+numbers (sizes, heads, RoPE, norm eps, tied embeddings, q/k norm by family, MoE routing), and
+refuses, naming the field, what the model here cannot compute (biases, sliding windows, other
+RoPE types, other families). ``apply_hf_folder`` writes those keys and the folder's tokenizer into
+a composed config: at composition time, before validation and before any process group, so dry
+runs and the planner see the model that will train. A key the user set (``user_keys``: the
+command line or the recipe, see config.user_set_keys) that disagrees is refused, naming both values.
+
+This module reads JSON and config trees only (no model code), so config.compose can call it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from parallel3d.base import ConfigError
+from parallel3d.data.tokenizer import tokenizer_file, tokenizer_folder
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral")
+# transformers' defaults for the keys a config.json may leave out (LlamaConfig, Qwen3Config, ...).
+_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048},
+    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072,
+                "router_aux_loss_coef": 0.001},
+}
+# Fields the model here cannot honour: (config.json key, is it on?)
+_UNSUPPORTED = (
+    ("attention_bias", bool), ("mlp_bias", bool), ("use_sliding_window", bool),
+    ("hidden_act", lambda v: v not in (None, "silu")), ("mlp_only_layers", bool),
+    ("router_jitter_noise", bool), ("layer_types", lambda v: any(t != "full_attention" for t in v or [])),
+)
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def hf_folder(cfg) -> Path | None:
+    """The Hugging Face folder ``checkpoint.init_from`` names, or None (unset, or one of our checkpoints)."""
+    init_from = cfg.checkpoint.init_from
+    if not init_from:
+        return None
+    path = Path(str(init_from)).expanduser()
+    return path if is_hf_dir(path) else None
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def read_model(path: Path) -> dict[str, tuple[str, object]]:
+    """``{model key: (config.json key, value)}`` for every model key the folder decides.
+    Raises ConfigError (``checkpoint.init_from``) for a field the model cannot honour."""
+    hf = read_config(path)
+    fam = hf.get("model_type")
+    if fam not in FAMILIES:
+        _refuse(path, f"its config.json has model_type={fam}", f"use a {', '.join(FAMILIES)} model")
+    for key, is_on in _UNSUPPORTED:
+        if hf.get(key) is not None and is_on(hf[key]):
+            _refuse(path, f"its config.json has {key}={json.dumps(hf[key])}, which parallel3d's {fam} cannot "
+                          f"compute", "use a model without it")
+    if fam == "mixtral" and hf.get("sliding_window") is not None:
+        _refuse(path, f"its config.json has sliding_window={hf['sliding_window']}, which parallel3d's mixtral "
+                      f"cannot compute (full attention only)", "use a model without it")
+
+    def get(key: str):
+        return hf[key] if hf.get(key) is not None else _DEFAULTS[fam].get(key)
+
+    heads = hf["num_attention_heads"]
+    theta, scaling = _rope(hf, path, get("rope_theta"))
+    model = {
+        "dim": ("hidden_size", hf["hidden_size"]), "n_layers": ("num_hidden_layers", hf["num_hidden_layers"]),
+        "n_heads": ("num_attention_heads", heads),
+        "n_kv_heads": ("num_key_value_heads", hf.get("num_key_value_heads") or heads),
+        "head_dim": ("head_dim", hf.get("head_dim") or hf["hidden_size"] // heads),
+        "ffn_dim": ("intermediate_size", hf["intermediate_size"]), "vocab_size": ("vocab_size", hf["vocab_size"]),
+        "norm_eps": ("rms_norm_eps", get("rms_norm_eps")), "rope_theta": ("rope_theta", theta),
+        "rope_scaling": ("rope_scaling", scaling),
+        "max_seq_len": ("max_position_embeddings", get("max_position_embeddings")),
+        "tie_embeddings": ("tie_word_embeddings", bool(hf.get("tie_word_embeddings", False))),
+        "qk_norm": ("model_type", fam in ("qwen3", "qwen3_moe")),
+    }
+    return model | _moe(hf, fam, get)
+
+
+def _moe(hf: dict, fam: str, get) -> dict[str, tuple[str, object]]:
+    if fam == "qwen3_moe":
+        experts = "num_experts" if "num_experts" in hf else "num_local_experts"
+        return {"moe.num_experts": (experts, hf[experts]), "moe.top_k": ("num_experts_per_tok", hf["num_experts_per_tok"]),
+                "moe.expert_ffn_dim": ("moe_intermediate_size", hf["moe_intermediate_size"]),
+                "moe.every": ("decoder_sparse_step", get("decoder_sparse_step")),
+                "moe.norm_topk_prob": ("norm_topk_prob", get("norm_topk_prob")),
+                "moe.aux_loss_coef": ("router_aux_loss_coef", get("router_aux_loss_coef")),
+                "moe.shared_experts": ("model_type", 0), "moe.router": ("model_type", "softmax")}
+    if fam == "mixtral":
+        return {"moe.num_experts": ("num_local_experts", hf["num_local_experts"]),
+                "moe.top_k": ("num_experts_per_tok", hf["num_experts_per_tok"]),
+                "moe.expert_ffn_dim": ("intermediate_size", hf["intermediate_size"]),
+                "moe.every": ("model_type", 1), "moe.norm_topk_prob": ("model_type", True),
+                "moe.aux_loss_coef": ("router_aux_loss_coef", get("router_aux_loss_coef")),
+                "moe.shared_experts": ("model_type", 0), "moe.router": ("model_type", "softmax")}
+    return {"moe.num_experts": ("model_type", 0)}
+
+
+def _rope(hf: dict, path: Path, default_theta: float) -> tuple[float, dict | None]:
+    """RoPE theta and Llama 3 scaling, from transformers 5's ``rope_parameters`` or the older
+    top-level ``rope_theta`` and ``rope_scaling``."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    theta = float(hf.get("rope_theta") or params.get("rope_theta") or default_theta)
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        _refuse(path, f"its config.json has rope type {kind}", "use a model with default or llama3 RoPE")
+    return theta, {"factor": float(scaling["factor"]), "low_freq_factor": float(scaling["low_freq_factor"]),
+                   "high_freq_factor": float(scaling["high_freq_factor"]),
+                   "original_max_seq_len": int(scaling["original_max_position_embeddings"])}
+
+
+def _refuse(path: Path, problem: str, fix: str):
+    raise ConfigError("checkpoint.init_from", path, problem, fix)
+
+
+def _effective(key: str, value, model) -> object:
+    """A value as the model uses it: head_dim 0 and expert_ffn_dim 0 stand for their defaults, and
+    ffn_dim is unused where every block is a MoE."""
+    if key == "ffn_dim" and model.get("moe.num_experts") and model.get("moe.every") == 1:
+        return None
+    if key == "head_dim":
+        return value or model["dim"] // model["n_heads"]
+    if key == "moe.expert_ffn_dim":
+        return value or model["ffn_dim"]
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def disagreements(path: Path, model_cfg, keys=None) -> list[tuple[str, str, object, object]]:
+    """``(model key, config.json key, folder's value, model_cfg's value)`` for each of ``keys``
+    (default: all the folder decides) on which ``model_cfg`` (a ModelConfig or DictConfig) differs."""
+    decided = read_model(path)
+    ours = {key: OmegaConf.select(OmegaConf.structured(model_cfg) if not OmegaConf.is_config(model_cfg)
+                                  else model_cfg, key) for key in decided}
+    theirs = {key: value for key, (_, value) in decided.items()}
+    return [(key, hf_key, value, ours[key]) for key, (hf_key, value) in decided.items()
+            if (keys is None or key in keys)
+            and _effective(key, ours[key], ours) != _effective(key, value, theirs)]
+
+
+def check_agrees(path: Path, model_cfg) -> None:
+    """Refuse a model config that is not the folder's (one line naming the first key)."""
+    for key, hf_key, theirs, ours in disagreements(path, model_cfg):
+        _refuse(path, f"its config.json has {hf_key}={theirs} but model.{key}={ours}",
+                f"drop model.{key} (the folder defines the model)")
+
+
+def apply_hf_folder(cfg, user_keys: set[str]):
+    """``cfg`` with the model and tokenizer of the Hugging Face folder ``checkpoint.init_from``
+    names (a copy; ``cfg`` itself when it names none). ``user_keys``: dotted keys the user set
+    (``model`` alone: a model group chosen on the command line, every model key)."""
+    path = hf_folder(cfg)
+    if path is None:
+        return cfg
+    explicit = [k.removeprefix("model.") for k in user_keys if k.startswith("model.")]
+    keys = None if "model" in user_keys else {key for key in read_model(path)
+                                               if any(k == key or k.startswith(key + ".") for k in explicit)}
+    for key, hf_key, theirs, ours in disagreements(path, cfg.model, keys):
+        _refuse(path, f"its config.json has {hf_key}={theirs} but model.{key}={ours} was set",
+                f"drop model.{key}")
+    cfg = copy.deepcopy(cfg)
+    values = {"name": path.name, "moe": {}}
+    for key, (_, value) in read_model(path).items():
+        section, _, name = key.rpartition(".")
+        (values["moe"] if section else values)[name] = value
+    cfg.model = OmegaConf.merge(cfg.model, values)
+    _apply_tokenizer(cfg, path, "data.tokenizer" in user_keys)
+    return cfg
+
+
+def _apply_tokenizer(cfg, path: Path, user_set: bool) -> None:
+    if not (path / "tokenizer.json").is_file():
+        return  # no tokenizer in the folder: data.tokenizer as configured
+    spec = str(cfg.data.tokenizer)
+    if not user_set:
+        cfg.data.tokenizer = str(path)
+    elif spec == "byte" or tokenizer_folder(spec).resolve() != path.resolve() or not tokenizer_file(spec).is_file():
+        _refuse(path, f"its tokenizer is {path / 'tokenizer.json'} but data.tokenizer={spec} was set",
+                "drop data.tokenizer")
+
+
+def describe(path: Path, *, n_params: int, tokenizer: str) -> str:
+    """The console line that says what was loaded from where."""
+    hf = read_config(path)
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return (f"parallel3d: model {hf['model_type']} {n_params / 1e6:.2f}M params ({dtype} weights) from {path}, "
+            f"tokenizer {tokenizer}")
