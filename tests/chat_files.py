@@ -111,3 +111,51 @@ CONVERSATIONS = [
      {"role": "user", "content": "Thanks"},
      {"role": "assistant", "content": "You are welcome."}],
 ]
+
+WORDS = " ".join(CORPUS).replace(".", "").replace("?", "").replace(",", "").split()
+
+
+def chat_records(count: int, seed: int = 0, long_prompts: int = 0) -> list[dict]:
+    """``count`` chat records (system or not, one to three turns) and ``long_prompts`` more whose
+    user message alone overflows a 65-token row, so their rows train no token."""
+    import random
+
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    records = []
+    for i in range(count):
+        messages = [{"role": "system", "content": text(2, 5)}] if i % 3 == 0 else []
+        for _ in range(rng.randint(1, 2)):
+            messages += [{"role": "user", "content": text(1, 3)}, {"role": "assistant", "content": text(1, 5)}]
+        records.append({"messages": messages})
+    for _ in range(long_prompts):
+        records.append({"messages": [{"role": "user", "content": text(80, 90)}, {"role": "assistant", "content": "Sure."}]})
+    rng.shuffle(records)
+    return records
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-5,
+                  max_position_embeddings=2048, tie_word_embeddings=False)
+# The same model as parallel3d's keys.
+TINY_LLAMA_KEYS = ["model.dim=64", "model.ffn_dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                   "model.vocab_size=512", "model.rope_theta=10000", "model.norm_eps=1e-5", "model.max_seq_len=2048"]
+
+
+def llama_folder(folder: Path, style: str = "llama3", seed: int = 0) -> Path:
+    """A tiny Llama (random weights, float32) saved by transformers, with a chat tokenizer beside it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, torch_dtype="float32"))
+    model.save_pretrained(folder, safe_serialization=True)
+    return chat_tokenizer_folder(folder, style)
