@@ -70,11 +70,12 @@ class RowStats:
     truncated: int = 0
     dropped: int = 0
     rows: int = 0
+    sample_tokens: int = 0  # the rows' tokens that are not padding
     trained_tokens: int = 0
 
     def as_meta(self) -> dict:
         return {"samples": self.samples, "truncated": self.truncated, "dropped": self.dropped, "rows": self.rows,
-                "trained_tokens": self.trained_tokens}
+                "sample_tokens": self.sample_tokens, "trained_tokens": self.trained_tokens}
 
 
 def records(shard: Shard, fields: list[str]) -> Iterator[dict]:
@@ -170,6 +171,7 @@ def build_rows(samples: Iterable[tuple[list[int], list[bool]]], spec: SFTSpec, p
             pad[0] = STARTS  # the padding is a segment of its own: no sample attends to it
         row_flags = np.concatenate([*flags, pad])
         stats.rows += 1
+        stats.sample_tokens += used
         stats.trained_tokens += int((row_flags & TRAINED).sum())
         tokens.clear()
         flags.clear()

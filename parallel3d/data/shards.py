@@ -132,7 +132,8 @@ def _write_rows(shard: Shard, files: ShardFiles, tokenizer, heldout_fraction: fl
         stats = RowStats()
         rows = list(build_rows((render_sample(r, sft, tokenizer) for r in chosen), sft, tokenizer.eos_id, stats))
         meta = {"shard": str(shard.path), "tokenized_by": worker, "tokenizer": tokenizer.name,
-                "vocab_size": tokenizer.vocab_size, "rows_of": sft.seq_len + 1, **stats.as_meta()}
+                "vocab_size": tokenizer.vocab_size, "rows_of": sft.seq_len + 1, "packing": sft.packing,
+                **stats.as_meta()}
         write_array_file((f for _, f in rows), np.uint8, flags_file(path), meta)
         write_array_file((t for t, _ in rows), token_dtype(tokenizer), path, meta)  # its manifest: done
     return files
