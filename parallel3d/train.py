@@ -91,8 +91,8 @@ def train(cfg: DictConfig) -> Path:
         held_out = open_eval_corpus(c.data, c.eval, workers, seq_len=c.train.seq_len)
     if held_out is not None:
         check_heldout(held_out, seq_len=c.train.seq_len, global_batch_size=c.train.global_batch_size, eval_cfg=c.eval)
-    evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps,
-                                                        held_out.flags, c.data.packing)
+    evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval,
+                                                        c.train.steps, held_out.flags, c.data.packing)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
     tensorboard = start_tensorboard(run_dir, start_step) if is_rank0 and c.logging.tensorboard else None

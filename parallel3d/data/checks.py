@@ -158,7 +158,8 @@ def check_heldout(corpus, *, seq_len: int, global_batch_size: int, eval_cfg) -> 
     ``eval.fraction`` holds out each document with that chance, so on a small corpus it may hold
     out none (docs/data.md)."""
     tokens = sum(len(a) for s in corpus.sources for a in s.arrays)
-    windows = max(tokens - 1, 0) // seq_len
+    rows = corpus.sources[0].flags is not None  # instruction data: rows of seq_len + 1, each a window
+    windows = tokens // (seq_len + 1) if rows else max(tokens - 1, 0) // seq_len
     if windows >= global_batch_size:
         return
     needs = f"one evaluation batch needs {global_batch_size * seq_len + 1} (train.global_batch_size x train.seq_len + 1)"

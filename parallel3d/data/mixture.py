@@ -94,8 +94,9 @@ class MixtureSampler:
                 counts[source] += 1
         return ids
 
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(inputs, targets) pairs, each (micro_batch_size, seq_len) int64, for ``step``."""
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
+        """(inputs, targets) pairs, each (micro_batch_size, seq_len) int64, for ``step``, as
+        StepSampler's (with sample ids for packed instruction rows)."""
         ids = self.window_ids(step)
         rows = np.stack([self._row(s, w) for s, w in ids])
         if self.rows:

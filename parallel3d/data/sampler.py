@@ -49,7 +49,8 @@ class StepSampler:
         if self.num_windows < spec.global_batch_size:
             raise ValueError(f"the corpus holds {self.num_windows} sequences of {spec.seq_len + 1} tokens, "
                              f"fewer than one global batch ({spec.global_batch_size}): use more data")
-        self._epoch, self._order = -1, None
+        # (epoch, its permutation), swapped as one: the prefetch thread and the loop (trained_tokens) both read it
+        self._order: tuple[int, torch.Tensor] | None = None
 
     def window_ids(self, step: int) -> list[int]:
         """Global window indices of this rank's slice of the batch of ``step`` (1-based)."""
@@ -63,7 +64,8 @@ class StepSampler:
         if self.flags is None:
             return None
         first = self.samples_seen(step - 1)
-        return trained_targets(self._rows(self.flags, [self._window(p) for p in range(first, first + self.spec.global_batch_size)]))
+        windows = [self._window(p) for p in range(first, first + self.spec.global_batch_size)]
+        return trained_targets(self._rows(self.flags, windows))
 
     def samples_seen(self, step: int) -> int:
         """Sequences of the stream consumed once ``step`` is done: the data position to save."""
@@ -75,13 +77,16 @@ class StepSampler:
 
     def _window(self, position: int) -> int:
         epoch, offset = divmod(position, self.num_windows)
-        if epoch != self._epoch:
+        cached = self._order
+        if cached is None or cached[0] != epoch:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch, self._order = epoch, torch.randperm(self.num_windows, generator=generator)
-        return int(self._order[offset])
+            cached = (epoch, torch.randperm(self.num_windows, generator=generator))
+            self._order = cached
+        return int(cached[1][offset])
 
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(inputs, targets) pairs, each (micro_batch_size, seq_len) int64, for ``step``."""
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
+        """(inputs, targets) pairs, each (micro_batch_size, seq_len) int64, for ``step``; packed
+        instruction rows add each input token's sample (data/sft.py ``row_micro_batches``)."""
         windows = self.window_ids(step)
         rows = self._rows(self.tokens, windows)
         if self.flags is not None:

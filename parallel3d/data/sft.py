@@ -55,7 +55,8 @@ class SFTSpec:
                    data_cfg.packing, data_cfg.truncation, seq_len)
 
     def identity(self) -> list:
-        template = None if self.template is None else [self.template.source, sorted(self.template.special_tokens.items())]
+        template = self.template
+        template = None if template is None else [template.source, sorted(template.special_tokens.items())]
         return [self.format, self.prompt_field, self.response_field, template, self.train_on, self.packing,
                 self.truncation, self.seq_len]
 
@@ -115,7 +116,8 @@ def _table_records(shard: Shard, fields: list[str]) -> Iterator[dict]:
         table = Dataset.from_file(str(shard.path)).data.table
     missing = [f for f in fields if f not in table.column_names]
     if missing:
-        raise DataError(f"{shard.path} row 0", f"no '{missing[0]}' field (fields: {', '.join(table.column_names)[:80]})",
+        names = ", ".join(table.column_names)[:80]
+        raise DataError(f"{shard.path} row 0", f"no '{missing[0]}' field (fields: {names})",
                         "set data.prompt_field / data.response_field, or give chat records a 'messages' list")
     for row, record in enumerate(table.select(fields).to_pylist()):
         yield _checked(record, fields, f"{shard.path} row {row}")

@@ -41,7 +41,8 @@ class ShardFiles:
 
     def all_files(self) -> list[Path]:
         """Every file of the shard, flags first (a token file's manifest is written last)."""
-        return [f for p in (self.train, self.heldout) if p is not None for f in ([flags_file(p)] if self.rows else []) + [p]]
+        tokens = [p for p in (self.train, self.heldout) if p is not None]
+        return [f for p in tokens for f in ([flags_file(p), p] if self.rows else [p])]
 
 
 def flags_file(tokens: Path) -> Path:
