@@ -112,3 +112,22 @@ def test_validation_refuses_a_chat_without_a_template(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "a"}]}])
     with pytest.raises(ConfigError, match=r"data\.format=chat: the byte tokenizer has no chat template"):
         check(compose([f"data.sources=[{data}]", "data.format=chat"]), 1)
+
+
+def test_prepare_data_writes_the_rows_a_run_reads(tmp_path):
+    from chat_files import chat_records
+
+    from parallel3d.cli import prepare_data
+    from parallel3d.data.corpus import open_sources
+
+    folder = chat_tokenizer_folder(tmp_path / "tok", "qwen3")
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(20))
+    tokenizer, cache = str(folder / "tokenizer.json"), str(tmp_path / "cache")
+    assert prepare_data.main(["--source", str(data), "--cache-dir", cache, "--workers", "1", "--tokenizer", tokenizer,
+                              "--format", "chat", "--seq-len", "64", "--no-packing"]) == 0
+    c = compose([f"data.sources=[{data}]", f"data.tokenizer={tokenizer}", "data.format=chat",
+                 f"data.cache_dir={cache}", "data.packing=false"])
+    corpus = open_sources([str(data)], c.data, 0.0, seq_len=64)
+    metas = [json.loads(p.read_text()) for p in (tmp_path / "cache").glob("*.json")]
+    assert all(m["tokenized_by"].startswith("worker") for m in metas if "rows_of" in m)  # found, not redone
+    assert len(corpus.tokens) == 20 * 65 and len(corpus.flags) == len(corpus.tokens)  # one chat a row
