@@ -188,8 +188,10 @@ def rank_batch(s: Setup, inputs: torch.Tensor, targets: torch.Tensor, sample_ids
     if sample_ids is not None:
         sample_ids = sample_ids.to(s.device, non_blocking=True)
         extra = {"doc_ids": sample_ids, "positions": document_positions(sample_ids)}
-    else:
+    elif s.config.data.format == "text":
         extra = document_inputs(inputs, s.config.data)
+    else:  # one sample a row, from position 0, padding after it: causal attention is all it needs
+        extra = {}
     inputs, targets, *values = shard_batch(s.meshes.cp, inputs, targets, *extra.values())
     return inputs, targets, dict(zip(extra, values))
 
