@@ -168,6 +168,14 @@ class DataConfig:
     reset_positions: bool = False  # RoPE positions restart at each document
     # Resume a checkpoint trained with another tokenizer (its embeddings index other tokens): refused unless set.
     allow_tokenizer_change: bool = False
+    # Instruction data (docs/finetune.md): text | prompt_response (two fields) | chat (a "messages" list)
+    format: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    chat_template: Optional[str] = None  # a Jinja file; default: the tokenizer folder's own template
+    train_on: str = "assistant"  # prompt_response/chat: assistant (replies and their end of turn) | all
+    packing: bool = True  # several samples per row (each attends only to itself); false: one sample per row
+    truncation: str = "truncate"  # a sample over train.seq_len + 1 tokens: truncate (keep its start) | drop
 
 
 @dataclass

@@ -27,8 +27,10 @@ from parallel3d.step import Setup, rank_batch
 class Evaluator:
     """When to evaluate (every ``eval.every`` steps and at the last step) and how."""
 
-    def __init__(self, tokens: np.ndarray, spec: BatchSpec, seed: int, eval_cfg, last_step: int):
-        self.sampler = StepSampler(tokens, spec, seed)
+    def __init__(self, tokens: np.ndarray, spec: BatchSpec, seed: int, eval_cfg, last_step: int,
+                 flags: np.ndarray | None = None, packed: bool = True):
+        """``flags``: held-out instruction rows (parallel3d/data/sft.py), evaluated on their trained targets."""
+        self.sampler = StepSampler(tokens, spec, seed, flags=flags, packed=packed)
         self.batches, self.every, self.last_step = eval_cfg.batches, eval_cfg.every, last_step
 
     def due(self, step: int) -> bool:
@@ -38,10 +40,11 @@ class Evaluator:
     def evaluate(self, setup: Setup) -> dict[str, float]:
         """``val_loss`` (mean token cross entropy over the eval batches) and ``val_perplexity``,
         the same on every rank. The loss is training's: a sum over a micro batch divided by the
-        tokens of this rank's share of a global batch."""
+        trained targets of a global batch per data-parallel x context-parallel rank."""
         meshes = setup.meshes
         total = torch.zeros((), device=setup.device)
         for batch in range(1, self.batches + 1):
+            setup.loss_fn.set_trained_tokens(self.sampler.trained_tokens(batch))
             total += _batch_loss(setup, self.sampler.micro_batches(batch))
         _reshard(setup.model)
         if meshes.pp is not None:  # only the last stage computed a loss
@@ -60,11 +63,11 @@ def _batch_loss(s: Setup, micro_batches) -> torch.Tensor:
     loss_sum = torch.zeros((), device=s.device)
     with vocab_parallel():
         if s.pipeline is not None:
-            for loss in s.pipeline.forward_only(micro_batches, lambda x, y: rank_batch(s, x, y)):
+            for loss in s.pipeline.forward_only(micro_batches, lambda *batch: rank_batch(s, *batch)):
                 loss_sum += _local(loss)
             return loss_sum
-        for inputs, targets in micro_batches:
-            inputs, targets, extra = rank_batch(s, inputs, targets)
+        for micro_batch in micro_batches:
+            inputs, targets, extra = rank_batch(s, *micro_batch)
             loss_sum += _local(s.loss_fn(s.model(inputs, **extra), targets))
     return loss_sum
 

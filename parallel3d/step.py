@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel3d.config import Config
 from parallel3d.data import BatchSpec
-from parallel3d.data.documents import document_inputs
+from parallel3d.data.documents import document_inputs, document_positions
 from parallel3d.guard import BadStepGuard, poison
 from parallel3d.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.models import Transformer
@@ -34,7 +34,8 @@ from parallel3d.parallel.expert import configure_moe, update_router_bias
 from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
 
-MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+# (inputs, targets), or for packed instruction data (inputs, targets, sample ids): each (b, s)
+MicroBatches = list[tuple[torch.Tensor, ...]]
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Setup:
     tied: Optional[TiedEmbeddings]  # the embedding's copy on the last stage, under pp with tied embeddings
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: TokenLoss
 
     @property
     def parts(self) -> list[nn.Module]:
@@ -59,15 +60,32 @@ class Setup:
         return [self.model] if self.pipeline is None else self.pipeline.parts
 
 
-def token_loss_fn(tokens_per_rank: int, compile: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Summed cross entropy over ``tokens_per_rank``: summed over ranks and micro batches, it is
-    the mean over the global batch's tokens, whatever the layout."""
+def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy summed over the trained targets (-100: untrained; none trained: exactly 0)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum", ignore_index=-100)
 
-    def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
 
-    # Compiled, the float32 upcast fuses into the loss: no float32 copy of the vocabulary-wide logits.
-    return torch.compile(token_loss) if compile else token_loss
+class TokenLoss:
+    """Summed cross entropy over ``divisor``, the global batch's trained targets per data-parallel
+    x context-parallel rank: summed over micro batches and averaged over those ranks (as their
+    gradients are), it is the mean over every trained target of the global batch, whatever the
+    layout. For text every target is trained and the divisor is fixed; instruction data sets it
+    each step (``train_step``'s ``trained_tokens``), also for the pipeline schedule, which holds
+    this object."""
+
+    def __init__(self, tokens_per_rank: int, ranks: int, compile: bool):
+        self.tokens_per_rank, self.ranks = tokens_per_rank, ranks
+        self.divisor: float = tokens_per_rank
+        # Compiled, the float32 upcast fuses into the loss: no float32 copy of the vocabulary-wide logits.
+        self._summed = torch.compile(_summed_cross_entropy) if compile else _summed_cross_entropy
+
+    def set_trained_tokens(self, trained_tokens: int | None) -> None:
+        """The global batch's trained targets (None: all of them, the fixed divisor). A batch
+        without any has loss 0 and no gradient, never 0/0."""
+        self.divisor = self.tokens_per_rank if trained_tokens is None else max(trained_tokens, 1) / self.ranks
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._summed(logits, targets) / self.divisor
 
 
 def build_setup(c: Config, device: torch.device,
@@ -80,7 +98,7 @@ def build_setup(c: Config, device: torch.device,
     meshes = build_mesh(dims, device.type, c.parallel.ep, mixed_precision=c.train.param_dtype != "float32")
     spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
     # a cp rank holds 1/cp of each of its sequences' tokens
-    loss_fn = token_loss_fn(spec.local_batch_size * t.seq_len // dims.cp, c.model.compile)
+    loss_fn = TokenLoss(spec.local_batch_size * t.seq_len // dims.cp, dims.dp * dims.cp, c.model.compile)
     microbatches = c.parallel.pp_microbatches or spec.num_micro_batches
     model, pipeline, tied = build_model(c, meshes, device, microbatches, loss_fn, materialize)
     configure_moe([model] if pipeline is None else pipeline.parts, spec.local_batch_size, meshes.cp_tp, dims.cp)
@@ -116,15 +134,17 @@ def build_model(c: Config, meshes: Meshes, device: torch.device, microbatches: i
     return torch.nn.ModuleList(pipeline.parts), pipeline, tied
 
 
-def train_step(setup: Setup, micro_batches: MicroBatches, *,
-               guard: BadStepGuard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard | None = None,
+               trained_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro batches: forward and backward (through the pipeline
     schedule under pp), the tied embeddings' gradient sum, global-norm clipping, the optimizer step,
     the sigmoid MoE routers' bias step and the lr step. ``guard`` decides with every rank, before the
     optimizer, whether the update happens (a bad step: no optimizer or bias step on any rank; the lr
-    schedule advances). Returns (this rank's summed loss, the
+    schedule advances). ``trained_tokens``: the global batch's trained targets (instruction data:
+    the sampler's ``trained_tokens``); None: every target. Returns (this rank's summed loss, the
     gradient norm); the gradients stay for the caller to measure and zero."""
     s, c = setup, setup.config
+    s.loss_fn.set_trained_tokens(trained_tokens)
     # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
     # backward are computed on the shards.
     vocab_parallel = loss_parallel() if s.meshes.tp is not None else contextlib.nullcontext()
@@ -132,7 +152,7 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *,
         if s.pipeline is None:
             losses = _forward_backward(s, micro_batches)
         else:
-            losses = s.pipeline.forward_backward(micro_batches, lambda x, y: rank_batch(s, x, y))
+            losses = s.pipeline.forward_backward(micro_batches, lambda *batch: rank_batch(s, *batch))
     loss_sum = torch.zeros((), device=s.device)
     for loss in losses:
         loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
@@ -157,12 +177,21 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *,
     return loss_sum, grad_norm
 
 
-def rank_batch(s: Setup, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def rank_batch(s: Setup, inputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """A micro batch as this rank's model takes it: on the device, the document ids and positions
-    (``data.document_masking``, ``data.reset_positions``) read off the whole sequences, then every
-    (b, s) tensor cut to this context-parallel rank's share of the sequence."""
+    (``data.document_masking``, ``data.reset_positions``) read off the whole sequences, or for
+    packed instruction data its samples (``sample_ids``: attention stays inside each sample,
+    positions restart at each), then every (b, s) tensor cut to this context-parallel rank's share
+    of the sequence."""
     inputs, targets = inputs.to(s.device, non_blocking=True), targets.to(s.device, non_blocking=True)
-    extra = document_inputs(inputs, s.config.data)
+    if sample_ids is not None:
+        sample_ids = sample_ids.to(s.device, non_blocking=True)
+        extra = {"doc_ids": sample_ids, "positions": document_positions(sample_ids)}
+    elif s.config.data.format == "text":
+        extra = document_inputs(inputs, s.config.data)
+    else:  # one sample a row, from position 0, padding after it: causal attention is all it needs
+        extra = {}
     inputs, targets, *values = shard_batch(s.meshes.cp, inputs, targets, *extra.values())
     return inputs, targets, dict(zip(extra, values))
 
@@ -170,10 +199,10 @@ def rank_batch(s: Setup, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[t
 def _forward_backward(s: Setup, micro_batches: MicroBatches) -> list[torch.Tensor]:
     """Without pipeline parallelism: each micro batch forward and backward, gradients accumulating."""
     losses = []
-    for i, (inputs, targets) in enumerate(micro_batches):
+    for i, micro_batch in enumerate(micro_batches):
         if s.meshes.data_parallel is not None:  # the data-parallel wrapper reduces on the last micro batch only
             set_gradient_sync(s.model, i == len(micro_batches) - 1, s.config.parallel.zero_stage)
-        inputs, targets, extra = rank_batch(s, inputs, targets)
+        inputs, targets, extra = rank_batch(s, *micro_batch)
         loss = s.loss_fn(s.model(inputs, **extra), targets)
         loss.backward()
         losses.append(loss.detach())

@@ -91,10 +91,11 @@ def train(cfg: DictConfig) -> Path:
     with interruptible("preparing the data"):
         corpus, sampler = build_train_data(c.data, c.eval, setup.spec, c.train.seed, data_offset, workers)
         check_corpus(corpus, c.train.seq_len, c.data)
-        held_out = open_eval_corpus(c.data, c.eval, workers)
+        held_out = open_eval_corpus(c.data, c.eval, workers, seq_len=c.train.seq_len)
     if held_out is not None:
         check_heldout(held_out, seq_len=c.train.seq_len, global_batch_size=c.train.global_batch_size, eval_cfg=c.eval)
-    evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps)
+    evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval,
+                                                        c.train.steps, held_out.flags, c.data.packing)
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
     tensorboard = start_tensorboard(run_dir, start_step) if is_rank0 and c.logging.tensorboard else None
@@ -191,7 +192,8 @@ class TrainLoop:
         micro_batches, waited = self.batches.get(step)
         self.meter.start()
         self.guard.begin(step)
-        loss_sum, grad_norm = train_step(self.setup, micro_batches, guard=self.guard)  # the guard may skip the update
+        loss_sum, grad_norm = train_step(self.setup, micro_batches, guard=self.guard,  # the guard may skip the update
+                                         trained_tokens=self.sampler.trained_tokens(step))
         s = self.setup  # aux_loss and expert load ({} for a dense model)
         self.moe_stats = moe_statistics(s.parts, s.config.model, s.spec.num_micro_batches,
                                         dist.get_world_size() if dist.is_initialized() else 1, s.dims.dp, s.device)

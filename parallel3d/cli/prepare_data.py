@@ -3,7 +3,7 @@
 
     parallel3d-prepare-data --source DATA [--source MORE ...] --cache-dir DIR [--workers N]
                             [--tokenizer byte|path/to/tokenizer.json] [--text-field text]
-                            [--eval-fraction F]
+                            [--eval-fraction F] [--format chat|prompt_response --seq-len N ...]
 
 Each source is what ``data.sources`` accepts (.jsonl/.jsonl.gz/.json, .parquet, folders or globs
 of them, datasets.save_to_disk folders, text folders). Every shard is tokenized into DIR under
@@ -11,6 +11,10 @@ its content key, exactly as training would do on first use, so a run with the sa
 tokenizer, text field and eval.fraction finds them done:
 
     python -m parallel3d.train data.sources=[DATA,MORE] data.cache_dir=DIR [eval.fraction=F]
+
+Instruction records (docs/finetune.md) become the rows a run with the same data.format,
+data.prompt_field, data.response_field, data.chat_template, data.train_on, data.packing,
+data.truncation and train.seq_len reads: ``--format chat --seq-len 4096 --tokenizer DIR ...``.
 
 Killed, it resumes: finished shards are kept, unfinished ones (never visible as finished) are
 redone, and finished ones that no longer match their checksum are rebuilt. Its workers end with
@@ -34,6 +38,9 @@ import time
 from pathlib import Path
 
 from parallel3d.data import TokenFile, load_tokenizer, text_files, write_token_file
+from parallel3d.config import DataConfig
+from parallel3d.data.checks import check_instruction_data
+from parallel3d.data.sft import SFTSpec
 from parallel3d.data.shards import cache_problem, shard_files, tokenize_shard
 from parallel3d.data.sources import resolve
 from parallel3d.progress import Progress
@@ -46,14 +53,15 @@ def _tokenize(task):
     """In a worker: check a done shard against its manifest (rebuilt if it no longer matches) or
     tokenize a missing one. Returns the shard, its files, its training and held-out token counts,
     the seconds it took and whether it was tokenized now."""
-    shard, files, tokenizer_spec, text_field, fraction = task
+    shard, files, tokenizer_spec, text_field, fraction, sft = task
     start = time.perf_counter()
     problem = cache_problem(files) if files.done() else None
     if problem:
         print(f"prepare_data: rebuilding cached tokens {problem}", file=sys.stderr, flush=True)
     tokenized = problem is not None or not files.done()
     if tokenized:
-        tokenize_shard(shard, files, load_tokenizer(tokenizer_spec), text_field, fraction, f"worker {os.getpid()}")
+        tokenize_shard(shard, files, load_tokenizer(tokenizer_spec), text_field, fraction, f"worker {os.getpid()}",
+                       sft=sft)
     heldout = 0 if files.heldout is None else len(TokenFile(files.heldout))
     return shard, files, len(TokenFile(files.train)), heldout, time.perf_counter() - start, tokenized
 
@@ -115,13 +123,13 @@ def _alive(pid: int) -> bool:
 
 
 def prepare(sources: list[str], cache_dir: Path, workers: int, tokenizer_spec: str, text_field: str,
-            fraction: float) -> int:
+            fraction: float, sft: SFTSpec | None = None) -> int:
     tokenizer = load_tokenizer(tokenizer_spec)
     shards = [s for source in sources for s in resolve(source)]
-    files = [shard_files(s, tokenizer, text_field, fraction, cache_dir) for s in shards]
+    files = [shard_files(s, tokenizer, text_field, fraction, cache_dir, sft) for s in shards]
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(cache_dir)
-    tasks = [(s, f, tokenizer_spec, text_field, fraction) for s, f in zip(shards, files)]
+    tasks = [(s, f, tokenizer_spec, text_field, fraction, sft) for s, f in zip(shards, files)]
     done = sum(f.done() for f in files)
     print(f"{done} of {len(shards)} shards already done; tokenizing {len(shards) - done} "
           f"with {workers} worker{'s' * (workers > 1)} into {cache_dir}", flush=True)
@@ -171,6 +179,15 @@ def prepare_one_file(args) -> int:
     return 0
 
 
+def instruction_spec(args) -> SFTSpec | None:
+    """The rows' settings as a run's data.* keys would give them (checked as validation checks them)."""
+    data = DataConfig(sources=args.source, tokenizer=args.tokenizer, format=args.format, packing=args.packing,
+                      **{k: getattr(args, k) for k in ("prompt_field", "response_field", "chat_template", "train_on",
+                                                       "truncation")})
+    check_instruction_data(data)
+    return SFTSpec.from_config(data, args.seq_len)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", action="append", default=[], help="a data source (repeat for several)")
@@ -183,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pattern", default="**/*", help="one-file form: glob under --input (default: all)")
     parser.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
     parser.add_argument("--max-bytes", type=int, default=None, help="one-file form: stop after this much text")
+    instruction = parser.add_argument_group("instruction data (the data.* keys of the runs; docs/finetune.md)")
+    instruction.add_argument("--format", default="text", choices=["text", "prompt_response", "chat"])
+    instruction.add_argument("--seq-len", type=int, help="train.seq_len of the runs (rows of seq_len + 1)")
+    for key in ("prompt_field", "response_field", "chat_template", "train_on", "truncation"):
+        instruction.add_argument(f"--{key.replace('_', '-')}", default=getattr(DataConfig, key), help=f"data.{key}")
+    instruction.add_argument("--no-packing", dest="packing", action="store_false", help="data.packing=false")
     args = parser.parse_args(argv)
     if args.input or args.output:
         if not (args.input and args.output):
@@ -190,9 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         return prepare_one_file(args)
     if not args.source:
         parser.error("give --source (or --input and --output)")
+    if args.format != "text" and not args.seq_len:
+        parser.error(f"--format {args.format} lays records out in rows of train.seq_len + 1: give --seq-len")
     try:
         return prepare(args.source, Path(args.cache_dir).expanduser(), max(args.workers, 1), args.tokenizer,
-                       args.text_field, args.eval_fraction)
+                       args.text_field, args.eval_fraction, instruction_spec(args))
     except ConfigError as e:  # bad input: one line naming the file and the fix
         print(f"prepare_data: {e}", file=sys.stderr)
         return 2

@@ -13,20 +13,27 @@ import gzip
 import json
 from pathlib import Path
 
+from parallel3d.data.chat import assistant_spans, load_chat_template
 from parallel3d.data.sources import DataError, Shard, is_token_file, resolve
 from parallel3d.base import ConfigError, RunError
 
 
 def check_data(cfg) -> None:
     d, e = cfg.data, cfg.eval
+    check_instruction_data(d)
+    fields = {"text": [d.text_field], "chat": ["messages"]}.get(d.format, [d.prompt_field, d.response_field])
     for key, paths in (("data.sources", d.sources), ("eval.sources", e.sources)):
         for path in paths:
             if is_token_file(path):
+                if d.format != "text":
+                    raise ConfigError(key, path, f"a token file holds no records for data.format={d.format}",
+                                      "give the JSON lines or parquet records themselves")
                 _check_token_file(Path(path).expanduser(), cfg.model.vocab_size, key)
                 continue
             try:
                 for shard in resolve(path):
-                    _check_header(shard, d.text_field)
+                    for name in fields:
+                        _check_header(shard, name)
             except DataError as e:  # named by the key that lists the file
                 raise ConfigError(key, e.where, e.problem, e.fix) from None
     if d.weights is not None:
@@ -52,6 +59,37 @@ def check_data(cfg) -> None:
                           "eval.every must be >= 0 and eval.batches >= 1", "use e.g. eval.every=100 eval.batches=4")
     if not d.sources and d.source == "file" and d.path and Path(d.path).expanduser().is_file():
         _check_token_file(Path(d.path).expanduser(), cfg.model.vocab_size)
+
+
+def check_instruction_data(d) -> None:
+    """data.format and its keys (parallel3d/data/sft.py): a chat needs a tokenizer with a template."""
+    for key, value, allowed in (("data.format", d.format, ("text", "prompt_response", "chat")),
+                                ("data.train_on", d.train_on, ("assistant", "all")),
+                                ("data.truncation", d.truncation, ("truncate", "drop"))):
+        if value not in allowed:
+            raise ConfigError(key, value, "unknown value", f"use one of {', '.join(allowed)}")
+    if d.format == "text":
+        return
+    if not d.sources:
+        raise ConfigError("data.format", d.format, "instruction records are read from data.sources, which is empty",
+                          "list the JSON lines or parquet files in data.sources")
+    if d.chat_template and not Path(d.chat_template).expanduser().is_file():
+        raise ConfigError("data.chat_template", d.chat_template, "no such file", "give a Jinja template file")
+    if d.format == "chat" and d.tokenizer == "byte" and not d.chat_template:
+        raise ConfigError("data.format", "chat", "the byte tokenizer has no chat template",
+                          "set data.tokenizer to a Hugging Face tokenizer folder (or checkpoint.init_from), "
+                          "or data.chat_template=FILE")
+    template = load_chat_template(tokenizer_spec=d.tokenizer, template_file=d.chat_template)
+    if d.format == "chat" and template is None:
+        raise ConfigError("data.format", "chat", f"{d.tokenizer} has no chat template (chat_template.jinja or "
+                          "tokenizer_config.json's chat_template)", "set data.chat_template=FILE")
+    if template is not None:
+        try:
+            assistant_spans(template=template, messages=[{"role": "user", "content": "hi"},
+                                                         {"role": "assistant", "content": "hello"}])
+        except Exception as e:  # a template that does not render, or whose turns cannot be found
+            raise ConfigError("data.chat_template", template.origin, f"does not render a chat "
+                              f"({str(e).splitlines()[0][:100]})", "fix the template or give another") from None
 
 
 def _check_token_file(path: Path, model_vocab: int, key: str = "data.path") -> None:
@@ -120,7 +158,8 @@ def check_heldout(corpus, *, seq_len: int, global_batch_size: int, eval_cfg) -> 
     ``eval.fraction`` holds out each document with that chance, so on a small corpus it may hold
     out none (docs/data.md)."""
     tokens = sum(len(a) for s in corpus.sources for a in s.arrays)
-    windows = max(tokens - 1, 0) // seq_len
+    rows = corpus.sources[0].flags is not None  # instruction data: rows of seq_len + 1, each a window
+    windows = tokens // (seq_len + 1) if rows else max(tokens - 1, 0) // seq_len
     if windows >= global_batch_size:
         return
     needs = f"one evaluation batch needs {global_batch_size * seq_len + 1} (train.global_batch_size x train.seq_len + 1)"

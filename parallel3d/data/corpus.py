@@ -20,7 +20,8 @@ from parallel3d.data.dataset import TokenFile, stdlib_token_file
 from parallel3d.data.integrity import prepared_file_problem
 from parallel3d.data.mixture import MixtureSampler, SourceTokens
 from parallel3d.data.sampler import BatchSpec, StepSampler
-from parallel3d.data.shards import prepare_shards
+from parallel3d.data.sft import SFTSpec
+from parallel3d.data.shards import flags_file, prepare_shards
 from parallel3d.data.sources import is_token_file, resolve, source_name
 from parallel3d.data.tokenizer import load_tokenizer
 
@@ -40,6 +41,14 @@ class Corpus:
     def tokens(self) -> np.ndarray:
         """All tokens as one array (read into memory when there are several files: for held-out data)."""
         arrays = [a for s in self.sources for a in s.arrays]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+    @property
+    def flags(self) -> np.ndarray | None:
+        """Instruction data: the flags of ``tokens`` (parallel3d/data/sft.py); None for text."""
+        if self.sources[0].flags is None:
+            return None
+        arrays = [a for s in self.sources for a in s.flags]
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
@@ -67,23 +76,38 @@ def _checked_token_file(path: str, cache_dir: str) -> TokenFile:
 
 
 def open_sources(paths: list[str], data_cfg, heldout_fraction: float, workers: Workers = Workers(),
-                 heldout: bool = False) -> Corpus:
+                 heldout: bool = False, seq_len: int = 0) -> Corpus:
     """The sources' token streams, tokenizing what the cache lacks. ``heldout``: the held-out
-    documents instead of the training ones."""
+    documents instead of the training ones. ``seq_len``: the rows' length for instruction data
+    (``data.format`` other than text; 0: text)."""
     tokenizer = load_tokenizer(data_cfg.tokenizer)
+    sft = SFTSpec.from_config(data_cfg, seq_len) if seq_len else None
     shards = [[] if is_token_file(p) else resolve(p) for p in paths]
     flat = [s for group in shards for s in group]
     files = prepare_shards(flat, tokenizer, data_cfg.text_field, heldout_fraction, data_cfg.cache_dir,
-                           workers.rank, workers.world_size, workers.barrier) if flat else []
+                           workers.rank, workers.world_size, workers.barrier, sft=sft) if flat else []
     sources, i = [], 0
     for name, path, group in zip(_unique_names(paths), paths, shards):
         if is_token_file(path):  # prepared ahead (parallel3d-prepare-data): all of it is what it was made for
             arrays = [] if heldout else [_checked_token_file(path, data_cfg.cache_dir).tokens]
-        else:
-            arrays = [TokenFile(f.heldout if heldout else f.train).tokens for f in files[i : i + len(group)]]
-            i += len(group)
-        sources.append(SourceTokens(name, arrays))
+            sources.append(SourceTokens(name, arrays))
+            continue
+        chosen = [f.heldout if heldout else f.train for f in files[i : i + len(group)]]
+        i += len(group)
+        flags = [TokenFile(flags_file(f)).tokens for f in chosen] if sft else None
+        sources.append(SourceTokens(name, [TokenFile(f).tokens for f in chosen], flags))
+        if sft and workers.rank == 0:
+            _report_rows(name, chosen, heldout)
     return Corpus(sources, tokenizer.eos_id, tokenizer.bos_id, tokenizer.vocab_size)
+
+
+def _report_rows(name: str, files: list[Path], heldout: bool) -> None:
+    """One console line per instruction source: samples, rows, and what did not fit a row."""
+    metas = [TokenFile(f).meta for f in files]
+    total = {k: sum(m[k] for m in metas) for k in ("samples", "rows", "trained_tokens", "truncated", "dropped")}
+    print(f"parallel3d: {'held-out ' if heldout else ''}{name}: {total['samples']} samples in {total['rows']} rows, "
+          f"{total['trained_tokens']} trained tokens; {total['truncated']} truncated, {total['dropped']} dropped "
+          f"(longer than train.seq_len + 1)", flush=True)
 
 
 def open_single(data_cfg, workers: Workers = Workers()) -> Corpus:
@@ -100,13 +124,13 @@ def open_single(data_cfg, workers: Workers = Workers()) -> Corpus:
     return Corpus([SourceTokens(name, [tokens])], tokenizer.eos_id, tokenizer.bos_id, tokenizer.vocab_size)
 
 
-def open_eval_corpus(data_cfg, eval_cfg, workers: Workers = Workers()) -> Corpus | None:
+def open_eval_corpus(data_cfg, eval_cfg, workers: Workers = Workers(), seq_len: int = 0) -> Corpus | None:
     """The held-out token stream: ``eval.sources``, else the ``eval.fraction`` of the training
     sources' documents that training never sees; None when neither is set."""
     if eval_cfg.sources:
-        return open_sources(list(eval_cfg.sources), data_cfg, 0.0, workers)
+        return open_sources(list(eval_cfg.sources), data_cfg, 0.0, workers, seq_len=seq_len)
     if eval_cfg.fraction > 0 and data_cfg.sources:
-        return open_sources(list(data_cfg.sources), data_cfg, eval_cfg.fraction, workers, heldout=True)
+        return open_sources(list(data_cfg.sources), data_cfg, eval_cfg.fraction, workers, heldout=True, seq_len=seq_len)
     return None
 
 
@@ -121,6 +145,7 @@ def build_train_data(data_cfg, eval_cfg, spec: BatchSpec, seed: int, offset: int
     if not data_cfg.sources:
         corpus = open_single(data_cfg, workers)
         return corpus, StepSampler(corpus.sources[0].arrays[0], spec, seed, offset, corpus.sources[0].name)
-    corpus = open_sources(list(data_cfg.sources), data_cfg, training_fraction(data_cfg, eval_cfg), workers)
+    corpus = open_sources(list(data_cfg.sources), data_cfg, training_fraction(data_cfg, eval_cfg), workers,
+                          seq_len=spec.seq_len)
     weights = list(data_cfg.weights) if data_cfg.weights else None
-    return corpus, MixtureSampler(corpus.sources, spec, seed, offset, weights)
+    return corpus, MixtureSampler(corpus.sources, spec, seed, offset, weights, packed=data_cfg.packing)

@@ -28,30 +28,44 @@ def write_token_file(documents: Iterable[str], tokenizer, output: str | Path, pr
     """Tokenize ``documents`` (in batches, with the tokenizer's batch encoder) into ``output``:
     [BOS] document EOS, for each document. The sidecar .json is written last: its presence
     means the token file is complete, and it is the file's manifest (size and checksum)."""
+    dtype = token_dtype(tokenizer)
+    bos = [] if getattr(tokenizer, "bos_id", None) is None else [tokenizer.bos_id]
+
+    def chunks():
+        for batch in _batches(documents, batch_docs):
+            encoded = (tokenizer.encode_batch(batch) if hasattr(tokenizer, "encode_batch")
+                       else map(tokenizer.encode, batch))
+            yield np.fromiter((i for doc in encoded for i in (*bos, *doc, tokenizer.eos_id)), dtype=dtype)
+
+    meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, **(extra_meta or {})}
+    return write_array_file(chunks(), dtype, output, meta, progress)
+
+
+def token_dtype(tokenizer) -> type:
+    return np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+
+
+def write_array_file(chunks: Iterable[np.ndarray], dtype, output: str | Path, meta: dict, progress=None) -> Path:
+    """``chunks`` one after another into ``output`` as ``dtype``, and its manifest ``output``.json
+    (dtype, count, size, checksum, ``meta``), written last: its presence means complete."""
     output = Path(output).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
-    bos = [] if getattr(tokenizer, "bos_id", None) is None else [tokenizer.bos_id]
     count, digest = 0, hashlib.new(DIGEST)
     try:
         with open(tmp, "wb") as f:
-            for batch in _batches(documents, batch_docs):
-                encoded = (tokenizer.encode_batch(batch) if hasattr(tokenizer, "encode_batch")
-                           else map(tokenizer.encode, batch))
-                ids = np.fromiter((i for doc in encoded for i in (*bos, *doc, tokenizer.eos_id)), dtype=dtype)
-                chunk = ids.tobytes()
-                f.write(chunk)
-                digest.update(chunk)
-                count += len(ids)
+            for chunk in chunks:
+                data = np.asarray(chunk, dtype=dtype).tobytes()
+                f.write(data)
+                digest.update(data)
+                count += len(chunk)
                 if progress is not None:
                     progress(count)
     except BaseException:  # bad input, a stop signal: leave no half-written file behind
         tmp.unlink(missing_ok=True)
         raise
-    meta = {"dtype": np.dtype(dtype).name, "num_tokens": count, "tokenizer": tokenizer.name,
-            "vocab_size": tokenizer.vocab_size, "bytes": count * np.dtype(dtype).itemsize,
-            DIGEST: digest.hexdigest(), **(extra_meta or {})}
+    meta = {"dtype": np.dtype(dtype).name, "num_tokens": count, "bytes": count * np.dtype(dtype).itemsize,
+            DIGEST: digest.hexdigest(), **meta}
     meta_tmp = tmp.with_suffix(".json.tmp")
     meta_tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, output)

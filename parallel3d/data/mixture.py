@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from parallel3d.data.sampler import BatchSpec
+from parallel3d.data.sft import row_micro_batches, trained_targets
 
 BLOCK = 4096
 
@@ -29,6 +30,7 @@ class SourceTokens:
 
     name: str
     arrays: list[np.ndarray]
+    flags: list[np.ndarray] | None = None  # instruction data: each array is rows, with these flags (data/sft.py)
 
     @property
     def num_tokens(self) -> int:
@@ -39,10 +41,13 @@ class MixtureSampler:
     """StepSampler's contract (``micro_batches``, ``samples_seen``, ``offset``) over weighted sources."""
 
     def __init__(self, sources: list[SourceTokens], spec: BatchSpec, seed: int, offset: int = 0,
-                 weights: list[float] | None = None):
-        self.sources, self.spec, self.seed, self.offset = sources, spec, seed, offset
+                 weights: list[float] | None = None, packed: bool = True):
+        self.sources, self.spec, self.seed, self.offset, self.packed = sources, spec, seed, offset, packed
         L = spec.seq_len
-        self._bounds = [np.cumsum([0] + [max(len(a) - 1, 0) // L for a in s.arrays]) for s in sources]
+        self.rows = sources[0].flags is not None  # rows of L + 1 tokens, each a window of its own
+        self.stride = L + 1 if self.rows else L
+        self._bounds = [np.cumsum([0] + [(len(a) if self.rows else max(len(a) - 1, 0)) // self.stride
+                                         for a in s.arrays]) for s in sources]
         self.num_windows = [int(b[-1]) for b in self._bounds]
         for s, n in zip(sources, self.num_windows):
             if n == 0:
@@ -70,27 +75,42 @@ class MixtureSampler:
     def window_ids(self, step: int) -> list[tuple[int, int]]:
         """(source, window of that source) for this rank's slice of the batch of ``step`` (1-based)."""
         spec = self.spec
-        first = self.samples_seen(step - 1) + spec.dp_rank * spec.local_batch_size
+        return self._ids(self.samples_seen(step - 1) + spec.dp_rank * spec.local_batch_size, spec.local_batch_size)
+
+    def trained_tokens(self, step: int) -> int | None:
+        """Trained targets of the whole global batch of ``step``, the same on every rank; None for text."""
+        if not self.rows:
+            return None
+        ids = self._ids(self.samples_seen(step - 1), self.spec.global_batch_size)
+        return trained_targets(np.stack([self._row(s, w, flags=True) for s, w in ids]))
+
+    def _ids(self, first: int, count: int) -> list[tuple[int, int]]:
         with self._lock:
             counts = self._counts_before_locked(first).copy()
             ids = []
-            for position in range(first, first + spec.local_batch_size):
+            for position in range(first, first + count):
                 source = int(self._block(position // BLOCK)[position % BLOCK])
                 ids.append((source, self._window(source, int(counts[source]))))
                 counts[source] += 1
         return ids
 
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(inputs, targets) pairs, each (micro_batch_size, seq_len) int64, for ``step``."""
-        rows = np.stack([self._tokens(s, w) for s, w in self.window_ids(step)]).astype(np.int64)
-        batch = torch.from_numpy(rows)
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
+        """(inputs, targets) pairs, each (micro_batch_size, seq_len) int64, for ``step``, as
+        StepSampler's (with sample ids for packed instruction rows)."""
+        ids = self.window_ids(step)
+        rows = np.stack([self._row(s, w) for s, w in ids])
+        if self.rows:
+            flags = np.stack([self._row(s, w, flags=True) for s, w in ids])
+            return row_micro_batches(rows, flags, self.spec.micro_batch_size, self.packed)
+        batch = torch.from_numpy(rows.astype(np.int64))
         return [(mb[:, :-1], mb[:, 1:]) for mb in batch.split(self.spec.micro_batch_size)]
 
-    def _tokens(self, source: int, window: int) -> np.ndarray:
+    def _row(self, source: int, window: int, flags: bool = False) -> np.ndarray:
         bounds, L = self._bounds[source], self.spec.seq_len
         shard = int(np.searchsorted(bounds, window, side="right")) - 1
-        start = (window - int(bounds[shard])) * L
-        return self.sources[source].arrays[shard][start : start + L + 1]
+        start = (window - int(bounds[shard])) * self.stride
+        arrays = self.sources[source].flags if flags else self.sources[source].arrays
+        return arrays[shard][start : start + L + 1]
 
     def _counts_before(self, position: int) -> np.ndarray:
         with self._lock:

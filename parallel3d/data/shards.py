@@ -19,8 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel3d.data.dataset import write_token_file
+import numpy as np
+
+from parallel3d.data.dataset import token_dtype, write_array_file, write_token_file
 from parallel3d.data.integrity import token_file_problem
+from parallel3d.data.sft import RowStats, SFTSpec, build_rows, records, render_sample
 from parallel3d.data.sources import Shard, documents
 from parallel3d.data.tokenizer import tokenizer_hash
 
@@ -31,18 +34,33 @@ FORMAT = 2  # bump when the token layout changes (BOS/EOS placement, held-out ru
 class ShardFiles:
     train: Path
     heldout: Path | None  # None when nothing is held out
+    rows: bool = False  # instruction data: rows of seq_len + 1 tokens, each with a flags file beside it
 
     def done(self) -> bool:
         return all(p.with_suffix(".json").is_file() for p in (self.train, self.heldout) if p is not None)
 
+    def all_files(self) -> list[Path]:
+        """Every file of the shard, flags first (a token file's manifest is written last)."""
+        tokens = [p for p in (self.train, self.heldout) if p is not None]
+        return [f for p in tokens for f in ([flags_file(p), p] if self.rows else [p])]
 
-def shard_files(shard: Shard, tokenizer, text_field: str, heldout_fraction: float, cache_dir: str | Path) -> ShardFiles:
+
+def flags_file(tokens: Path) -> Path:
+    """The per-token flags (parallel3d/data/sft.py) of a rows file."""
+    return tokens.with_name(tokens.stem + ".flags.bin")
+
+
+def shard_files(shard: Shard, tokenizer, text_field: str, heldout_fraction: float, cache_dir: str | Path,
+                sft: SFTSpec | None = None) -> ShardFiles:
     root = Path(cache_dir).expanduser()
     identity = [FORMAT, shard.fingerprint(root / "digests"), tokenizer_hash(tokenizer.name), text_field,
                 heldout_fraction]
+    if sft is not None:  # how records become rows
+        identity.append(sft.identity())
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
     stem = f"{shard.path.name[:40]}-{key}"
-    return ShardFiles(root / f"{stem}.bin", root / f"{stem}-heldout.bin" if heldout_fraction > 0 else None)
+    return ShardFiles(root / f"{stem}.bin", root / f"{stem}-heldout.bin" if heldout_fraction > 0 else None,
+                      rows=sft is not None)
 
 
 _verified: set[tuple] = set()  # (file, inode, size, mtime, ctime of it and its manifest) checked here
@@ -51,9 +69,7 @@ _verified: set[tuple] = set()  # (file, inode, size, mtime, ctime of it and its 
 def cache_problem(files: ShardFiles) -> str | None:
     """A done shard's file that no longer matches its manifest: ``FILE: what is wrong``, or None.
     A file is read once per process (the held-out corpus opens the same shards again)."""
-    for path in (files.train, files.heldout):
-        if path is None:
-            continue
+    for path in files.all_files():
         try:
             seen = (str(path), *[(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
                                  for st in (path.stat(), path.with_suffix(".json").stat())])
@@ -77,8 +93,11 @@ def is_heldout(text: str, fraction: float) -> bool:
 
 
 def tokenize_shard(shard: Shard, files: ShardFiles, tokenizer, text_field: str, heldout_fraction: float,
-                   worker: str, progress: Callable[[int], None] | None = None) -> ShardFiles:
+                   worker: str, progress: Callable[[int], None] | None = None, sft: SFTSpec | None = None
+                   ) -> ShardFiles:
     """Write the shard's token files (training documents; held-out ones apart)."""
+    if sft is not None:
+        return _write_rows(shard, files, tokenizer, heldout_fraction, worker, sft)
     heldout: list[str] = []
 
     def training_documents():
@@ -95,23 +114,49 @@ def tokenize_shard(shard: Shard, files: ShardFiles, tokenizer, text_field: str, 
     return files
 
 
+def _write_rows(shard: Shard, files: ShardFiles, tokenizer, heldout_fraction: float, worker: str,
+                sft: SFTSpec) -> ShardFiles:
+    """Instruction records rendered and laid out in rows (parallel3d/data/sft.py): each rows file
+    with its flags file, the held-out records' apart; the counts go into the manifests."""
+    heldout: list[dict] = []
+
+    def training_records():
+        for record in records(shard, sft.fields):
+            if is_heldout(json.dumps(record, sort_keys=True), heldout_fraction):
+                heldout.append(record)
+            else:
+                yield record
+
+    for chosen, path in ((training_records(), files.train), (heldout, files.heldout)):
+        if path is None:
+            continue
+        stats = RowStats()
+        rows = list(build_rows((render_sample(r, sft, tokenizer) for r in chosen), sft, tokenizer.eos_id, stats))
+        meta = {"shard": str(shard.path), "tokenized_by": worker, "tokenizer": tokenizer.name,
+                "vocab_size": tokenizer.vocab_size, "rows_of": sft.seq_len + 1, "packing": sft.packing,
+                **stats.as_meta()}
+        write_array_file((f for _, f in rows), np.uint8, flags_file(path), meta)
+        write_array_file((t for t, _ in rows), token_dtype(tokenizer), path, meta)  # its manifest: done
+    return files
+
+
 def prepare_shards(shards: list[Shard], tokenizer, text_field: str, heldout_fraction: float,
                    cache_dir: str | Path, rank: int = 0, world_size: int = 1,
-                   barrier: Callable[[], None] | None = None) -> list[ShardFiles]:
+                   barrier: Callable[[], None] | None = None, sft: SFTSpec | None = None) -> list[ShardFiles]:
     """Every shard's files, tokenizing the missing ones and rebuilding corrupt ones: rank r
     hashes, checks and tokenizes shards r, r + world, ...; then all ranks wait at ``barrier``
     for the others' shards (their digests are then remembered: nothing is hashed twice)."""
     own = range(rank, len(shards), world_size)
     for i in own:
-        files = shard_files(shards[i], tokenizer, text_field, heldout_fraction, cache_dir)
+        files = shard_files(shards[i], tokenizer, text_field, heldout_fraction, cache_dir, sft)
         problem = cache_problem(files) if files.done() else None
         if problem:
             print(f"parallel3d: rebuilding cached tokens {problem}", file=sys.stderr, flush=True)
         if problem or not files.done():
-            tokenize_shard(shards[i], files, tokenizer, text_field, heldout_fraction, f"rank {rank}")
+            tokenize_shard(shards[i], files, tokenizer, text_field, heldout_fraction, f"rank {rank}", sft=sft)
     if barrier is not None:
         barrier()
-    files = [shard_files(s, tokenizer, text_field, heldout_fraction, cache_dir) for s in shards]
+    files = [shard_files(s, tokenizer, text_field, heldout_fraction, cache_dir, sft) for s in shards]
     missing = [str(s.path) for s, f in zip(shards, files) if not f.done()]
     if missing:
         raise RuntimeError(f"shards not tokenized after every rank finished: {missing[:3]} "

@@ -116,7 +116,8 @@ def stage_model(cfg: ModelConfig, stage: int, num_stages: int, layers: range) ->
     return model
 
 
-Prepare = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
+# (inputs, targets[, doc_ids]) of a micro batch -> (inputs, targets, keyword inputs) as this rank runs them
+Prepare = Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]
 
 
 @dataclass
@@ -159,8 +160,8 @@ class Pipeline:
         order instead (:func:`_forward_in_stage_order`)."""
         losses: list[torch.Tensor] = []
         if isinstance(self.schedule, ScheduleZBVZeroBubble):
-            for inputs, targets in micro_batches:
-                inputs, targets, extra = prepare(inputs, targets)
+            for micro_batch in micro_batches:
+                inputs, targets, extra = prepare(*micro_batch)
                 logits = _forward_in_stage_order(self.stages, inputs, extra)
                 if logits is not None:  # this rank holds the last stage
                     losses.append(self.loss_fn(logits, targets))
@@ -173,10 +174,11 @@ class Pipeline:
         return losses
 
     def _schedule_steps(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], prepare: Prepare):
-        """The micro batches in groups of ``self.microbatches``, each concatenated and prepared."""
+        """The micro batches in groups of ``self.microbatches``, each concatenated (inputs, targets and
+        any sample ids) and prepared."""
         for k in range(0, len(micro_batches), self.microbatches):
             chunk = micro_batches[k : k + self.microbatches]
-            yield prepare(torch.cat([x for x, _ in chunk]), torch.cat([y for _, y in chunk]))
+            yield prepare(*(torch.cat(parts) for parts in zip(*chunk)))
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the hidden states sent between stages

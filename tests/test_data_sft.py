@@ -1,0 +1,133 @@
+"""Instruction data in rows: packing, padding, truncation, the flags, and the config refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from chat_files import chat_tokenizer_folder, write_jsonl
+from parallel3d.base import ConfigError
+from parallel3d.config import compose
+from parallel3d.data.sft import (IGNORE, STARTS, TRAINED, RowStats, SFTSpec, build_rows, render_sample,
+                                 row_micro_batches)
+from parallel3d.data.tokenizer import ByteTokenizer
+from parallel3d.validate import check
+
+
+def spec(**kw) -> SFTSpec:
+    base = dict(format="prompt_response", prompt_field="prompt", response_field="response", template=None,
+                train_on="assistant", packing=True, truncation="truncate", seq_len=7)
+    return SFTSpec(**{**base, **kw})
+
+
+def sample(n: int, trained_from: int) -> tuple[list[int], list[bool]]:
+    return list(range(10, 10 + n)), [i >= trained_from for i in range(n)]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("truncation", ["truncate", "drop"])
+def test_rows_pack_pad_and_count_what_does_not_fit(packing, truncation):
+    stats = RowStats()
+    rows = list(build_rows([sample(3, 1), sample(4, 2), sample(12, 10), sample(2, 0)],
+                           spec(packing=packing, truncation=truncation), pad_id=0, stats=stats))
+    tokens, flags = map(np.stack, zip(*rows))
+    assert tokens.shape[1] == 8 and (stats.truncated, stats.dropped) == ((1, 0) if truncation == "truncate" else (0, 1))
+    starts = [list(np.flatnonzero(f & STARTS)) for f in flags]
+    if packing:  # 3 + 4 fill one row but one token; the long sample takes a row; the last one pads
+        expected = [[0, 3, 7], [0], [0, 2]] if truncation == "truncate" else [[0, 3, 7], [0, 2]]
+    else:
+        expected = [[0, 3], [0, 4], [0], [0, 2]] if truncation == "truncate" else [[0, 3], [0, 4], [0, 2]]
+    assert starts == expected
+    assert not (flags[:, 0] & TRAINED).any() and not any(f[s] & TRAINED for f, ss in zip(flags, starts) for s in ss)
+    assert stats.trained_tokens == int((flags & TRAINED).astype(bool).sum()) and stats.rows == len(rows)
+
+
+def test_micro_batches_mask_untrained_targets_and_carry_the_samples():
+    rows = list(build_rows([sample(3, 1), sample(4, 2)], spec(), pad_id=0, stats=RowStats()))
+    tokens, flags = map(np.stack, zip(*rows))
+    ((inputs, targets, samples),) = row_micro_batches(tokens, flags, 1, packed=True)
+    assert inputs.tolist() == [[10, 11, 12, 10, 11, 12, 13]]
+    # target j is token j + 1: the first sample's 2nd and 3rd, the second's 3rd and 4th; no cross-sample
+    # target, none into the padding
+    assert targets.tolist() == [[11, 12, IGNORE, IGNORE, 12, 13, IGNORE]]
+    assert samples.tolist() == [[0, 0, 0, 1, 1, 1, 1]]
+    assert len(row_micro_batches(tokens, flags, 1, packed=False)[0]) == 2
+
+
+def test_prompt_response_without_a_template_is_prompt_response_eos():
+    tok = ByteTokenizer()
+    ids, mask = render_sample({"prompt": "ab", "response": "c"}, spec(), tok)
+    assert ids == [97, 98, 99, tok.eos_id] and mask == [False, False, True, True]
+    assert render_sample({"prompt": "ab", "response": "c"}, spec(train_on="all"), tok)[1] == [True] * 4
+
+
+def test_a_chat_prompt_response_trains_the_reply_and_its_end_of_turn(tmp_path):
+    from parallel3d.data.chat import load_chat_template
+    from parallel3d.data.tokenizer import HFTokenizer
+
+    folder = chat_tokenizer_folder(tmp_path / "tok", "qwen3")
+    tok = HFTokenizer(folder / "tokenizer.json")
+    template = load_chat_template(tokenizer_spec=str(folder))
+    ids, mask = render_sample({"prompt": "Tell me a joke.", "response": "Sure."}, spec(template=template), tok)
+    trained = tok._tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert trained == "<think>\n\n</think>\n\nSure.<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def untemplated(tmp_path_factory):
+    """A tokenizer folder without a chat template, and a template that never closes a turn."""
+    root = tmp_path_factory.mktemp("untemplated")
+    folder = chat_tokenizer_folder(root / "tok", "llama3")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (root / "bad.jinja").write_text("{{ messages[0]['content'] }}")
+    return folder / "tokenizer.json", root / "bad.jinja"
+
+
+@pytest.mark.parametrize("keys, refused", [
+    ({"format": "chat"}, "data.format"),  # the byte tokenizer has no template
+    ({"format": "chat", "tokenizer": "TOK"}, "data.format"),  # a folder without one
+    ({"format": "chat", "chat_template": "/nonexistent.jinja"}, "data.chat_template"),
+    ({"format": "chat", "tokenizer": "TOK", "chat_template": "BAD"}, "data.chat_template"),
+    ({"format": "prompt_response", "train_on": "prompt"}, "data.train_on"),
+    ({"format": "prompt_response", "truncation": "cut"}, "data.truncation"),
+    ({"format": "dialog"}, "data.format"),
+    ({"format": "chat", "sources": []}, "data.format"),
+])
+def test_bad_instruction_configs_are_refused_with_one_line(untemplated, keys, refused):
+    from parallel3d.config import DataConfig
+    from parallel3d.data.checks import check_instruction_data
+
+    tokenizer, bad = untemplated
+    values = {k: str(tokenizer) if v == "TOK" else str(bad) if v == "BAD" else v for k, v in keys.items()}
+    with pytest.raises(ConfigError, match=refused.replace(".", r"\.")) as err:
+        check_instruction_data(DataConfig(**{"sources": ["records.jsonl"], **values}))
+    assert "\n" not in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_validation_refuses_a_chat_without_a_template(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "a"}]}])
+    with pytest.raises(ConfigError, match=r"data\.format=chat: the byte tokenizer has no chat template"):
+        check(compose([f"data.sources=[{data}]", "data.format=chat"]), 1)
+
+
+def test_prepare_data_writes_the_rows_a_run_reads(tmp_path):
+    from chat_files import chat_records
+
+    from parallel3d.cli import prepare_data
+    from parallel3d.data.corpus import open_sources
+
+    folder = chat_tokenizer_folder(tmp_path / "tok", "qwen3")
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(20))
+    tokenizer, cache = str(folder / "tokenizer.json"), str(tmp_path / "cache")
+    assert prepare_data.main(["--source", str(data), "--cache-dir", cache, "--workers", "1", "--tokenizer", tokenizer,
+                              "--format", "chat", "--seq-len", "64", "--no-packing"]) == 0
+    c = compose([f"data.sources=[{data}]", f"data.tokenizer={tokenizer}", "data.format=chat",
+                 f"data.cache_dir={cache}", "data.packing=false"])
+    corpus = open_sources([str(data)], c.data, 0.0, seq_len=64)
+    metas = [json.loads(p.read_text()) for p in (tmp_path / "cache").glob("*.json")]
+    assert all(m["tokenized_by"].startswith("worker") for m in metas if "rows_of" in m)  # found, not redone
+    assert len(corpus.tokens) == 20 * 65 and len(corpus.flags) == len(corpus.tokens)  # one chat a row
