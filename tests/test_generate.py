@@ -1,0 +1,159 @@
+"""Generation (parallel3d-generate, the model's KV cache) and lm-evaluation-harness on checkpoints.
+
+One tiny Llama trains 10 steps in one process with a Hugging Face tokenizer made here (no hub),
+is exported with parallel3d-convert-hf, and must generate, greedily, the ids transformers'
+generate gives on the exported folder; lm_eval's loglikelihoods through our adapter must equal
+those of lm_eval's own ``hf`` model on that folder. The KV cache must give the full forward's
+logits (dense and MoE), and a Qwen3-MoE model the tokens of transformers' Qwen3MoeForCausalLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import FAST, launch
+from data_files import documents, write_jsonl
+from parallel3d import hf
+from parallel3d.cli import convert_hf
+from parallel3d.cli import generate as generate_cli
+from parallel3d.config import ModelConfig, compose
+from parallel3d.data.tokenizer import load_tokenizer
+from parallel3d.generate import generate, load_model
+from parallel3d.models import Transformer
+from parallel3d.models.kv_cache import KVCache
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+EOS = "<|end_of_text|>"
+PROMPT = "alpha beta gamma"
+
+
+def write_tokenizer(folder: Path, texts: list[str]) -> Path:
+    """A byte-level BPE tokenizer.json trained on ``texts``, with EOS as its one special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+class Trained:
+    """The tiny Llama's run (checkpoint at step 10) and its Hugging Face export, made once."""
+
+    def __init__(self, root: Path):
+        texts = documents("doc", 200)
+        tokenizer = write_tokenizer(root / "tok", texts)
+        data = write_jsonl(root / "train.jsonl", texts)
+        self.run = launch(root / "run", [*FAST, "checkpoint.every=10", f"data.tokenizer={tokenizer}",
+                                         f"data.sources=[{data}]", f"data.cache_dir={root / 'cache'}"])
+        self.run.assert_finished(10)
+        self.step_dir = self.run.run_dir / "checkpoints" / "step_10"
+        self.export = root / "hf"
+        assert convert_hf.main(["export", str(self.run.run_dir), str(self.export), "--dtype", "float32"]) == 0
+        # What transformers' AutoTokenizer needs to read tokenizer.json as it is.
+        (self.export / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": None}))
+        self.tokenizer = load_tokenizer(str(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Trained:
+    return Trained(tmp_path_factory.mktemp("generate"))
+
+
+def random_model(overrides: list[str]) -> Transformer:
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), compose(overrides).model))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)
+    return model.eval()
+
+
+# -- the KV cache -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [[], ["model=tiny_moe"]], ids=["dense", "moe"])
+def test_kv_cache_gives_the_full_forwards_logits(overrides):
+    """A prompt through the cache, then one token at a time: the logits of one full forward."""
+    model = random_model(overrides)
+    tokens = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(max_len=24)
+        pieces = [model(tokens[:, :10], kv_cache=cache)]
+        pieces += [model(tokens[:, i:i + 1], kv_cache=cache) for i in range(10, 24)]
+    assert cache.length == 24
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=2e-6)
+
+
+def test_the_cache_refuses_tokens_past_its_length():
+    model = random_model([])
+    with pytest.raises(ValueError, match="holds 4 tokens"), torch.no_grad():
+        model(torch.zeros(1, 5, dtype=torch.long), kv_cache=KVCache(max_len=4))
+
+
+# -- greedy tokens equal transformers' --------------------------------------------------------
+
+def hf_greedy(model, prompt: list[int], new_tokens: int, eos: int | None) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def test_generate_equals_transformers_greedy(trained, capsys):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(trained.export, dtype=torch.float32).eval()
+    prompt, eos = trained.tokenizer.encode(PROMPT), trained.tokenizer.eos_id
+    # 32 tokens whatever comes: no stop
+    ours = generate(load_model(trained.step_dir), prompt, max_new_tokens=32)
+    assert len(ours) == 32
+    assert ours == hf_greedy(reference, prompt, 32, eos=None)
+    # The command line, from the run_dir, stopping at EOS as transformers does.
+    assert generate_cli.main([str(trained.run.run_dir), "--prompt", PROMPT, "--max-new-tokens", "32",
+                              "--token-ids"]) == 0
+    printed = [int(t) for t in capsys.readouterr().out.split()]
+    assert printed == hf_greedy(reference, prompt, 32, eos=eos)
+    assert generate_cli.main([str(trained.step_dir), "--prompt", PROMPT, "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out == trained.tokenizer.decode([t for t in printed[:4] if t != eos]) + "\n"
+
+
+def test_sampling_is_seeded_and_top_p_narrows_it(trained):
+    model, prompt = load_model(trained.step_dir), trained.tokenizer.encode(PROMPT)
+
+    def sample(seed, top_p=1.0):
+        return generate(model, prompt, max_new_tokens=8, temperature=1.0, top_p=top_p, seed=seed)
+
+    assert sample(1) == sample(1) != sample(2)
+    assert sample(2, top_p=1e-6) == generate(model, prompt, max_new_tokens=8)  # the nucleus: the top token
+
+
+def test_moe_greedy_equals_transformers_qwen3_moe(tmp_path):
+    """A Qwen3-MoE model (qk_norm, experts in every block) written as a Hugging Face folder and
+    read by transformers' Qwen3MoeForCausalLM: the same 32 greedy tokens."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = random_model(["model=tiny_moe", "model.qk_norm=true", "model.init_std=0.2"])
+    weights = {key: t.contiguous() for name, p in model.named_parameters()
+               for key, t in hf.hf_tensors(name, p.detach(), model.cfg).items()}
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(hf.hf_config(model.cfg, torch.float32)))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompt = [5, 17, 300, 42, 7]
+    assert generate(model, prompt, max_new_tokens=32) == hf_greedy(reference, prompt, 32, eos=None)
+
+
+def test_the_command_line_says_what_is_wrong(tmp_path, capsys):
+    assert generate_cli.main([str(tmp_path), "--prompt", "x"]) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err
