@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lm_eval.models  # noqa: F401  (lm_eval's own models, registered before ours: else the registry holds ours alone)
 import torch
 import torch.nn.functional as F
 from lm_eval import utils
@@ -41,10 +42,14 @@ class Parallel3dLM(TemplateLM):
                  max_length: int | None = None, verify: str = "checksum", **kwargs):
         super().__init__()
         step_dir = resolve_checkpoint(Path(checkpoint), verify=verify)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = load_model(step_dir, device=self.device, dtype=DTYPES[dtype])
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = load_model(step_dir, device=self._device, dtype=DTYPES[dtype])
         self.tok = load_tokenizer(str(saved_config(step_dir).data.tokenizer))
         self.max_length = int(max_length or self.model.cfg.max_seq_len)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     @property
     def eot_token_id(self) -> int:

@@ -157,3 +157,83 @@ def test_moe_greedy_equals_transformers_qwen3_moe(tmp_path):
 def test_the_command_line_says_what_is_wrong(tmp_path, capsys):
     assert generate_cli.main([str(tmp_path), "--prompt", "x"]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+# -- lm-evaluation-harness --------------------------------------------------------------------
+
+TASKS = {
+    "p3d_choice": """task: p3d_choice
+dataset_path: json
+dataset_kwargs: {data_files: {test: %(data)s}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list: [{metric: acc}]
+""",
+    "p3d_rolling": """task: p3d_rolling
+dataset_path: json
+dataset_kwargs: {data_files: {test: %(data)s}}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{question}}"
+metric_list: [{metric: word_perplexity}]
+""",
+    "p3d_generate": """task: p3d_generate
+dataset_path: json
+dataset_kwargs: {data_files: {test: %(data)s}}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: "{{choices[answer]}}"
+generation_kwargs: {until: ["gamma"], max_gen_toks: 6, do_sample: false}
+metric_list: [{metric: exact_match}]
+""",
+}
+
+
+def local_tasks(root: Path) -> Path:
+    """Three tasks (each lm_eval request type) over a local jsonl: no hub."""
+    words = ["alpha", "beta", "gamma", "lorem", "ipsum"]
+    rows = [{"question": f"doc {i}: {' '.join(words[(i + j) % 5] for j in range(6))}",
+             "choices": [f" {w}" for w in words[:3]], "answer": i % 3} for i in range(6)]
+    data = write_jsonl(root / "qa.jsonl", [""] * len(rows))
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for name, text in TASKS.items():
+        (root / f"{name}.yaml").write_text(text % {"data": data})
+    return root
+
+
+def harness_samples(model: str, model_args: str, tasks: Path) -> tuple[dict, dict]:
+    """lm_eval.simple_evaluate's results and each task's per-request outputs."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import parallel3d.lm_eval_adapter  # noqa: F401  (registers the parallel3d model)
+
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS), log_samples=True,
+                                  task_manager=TaskManager(include_path=str(tasks)), batch_size=1)
+    samples = {task: [s["resps"] for s in rows] for task, rows in out["samples"].items()}
+    return out["results"], samples
+
+
+def test_lm_eval_through_the_adapter_equals_the_hf_model(trained, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = local_tasks(tmp_path)
+    ours, our_samples = harness_samples("parallel3d", f"checkpoint={trained.run.run_dir}", tasks)
+    theirs, their_samples = harness_samples("hf", f"pretrained={trained.export},dtype=float32,device=cpu", tasks)
+    for task in TASKS:
+        flat_ours = [r for resps in our_samples[task] for resp in resps for r in resp]
+        flat_theirs = [r for resps in their_samples[task] for resp in resps for r in resp]
+        assert len(flat_ours) == len(flat_theirs) > 0
+        for a, b in zip(flat_ours, flat_theirs):
+            if isinstance(a, float):
+                assert a == pytest.approx(b, rel=1e-5, abs=1e-5), task
+            else:
+                assert a == b, task
+    assert ours["p3d_choice"]["acc,none"] == theirs["p3d_choice"]["acc,none"]
+    assert ours["p3d_rolling"]["word_perplexity,none"] == pytest.approx(theirs["p3d_rolling"]["word_perplexity,none"],
+                                                                        rel=1e-5)
