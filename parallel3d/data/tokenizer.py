@@ -52,6 +52,11 @@ class HFTokenizer:
         """The tokenizers library's own batch encoding (Rust, parallel over the batch)."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and each token's character span in ``text`` (chat masks map characters to tokens)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
