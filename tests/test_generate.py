@@ -10,12 +10,14 @@ logits (dense and MoE), and a Qwen3-MoE model the tokens of transformers' Qwen3M
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from chat_files import chat_tokenizer_folder
 from conftest import FAST, launch
 from data_files import documents, write_jsonl
 from parallel3d import hf
@@ -28,23 +30,8 @@ from parallel3d.models import Transformer
 from parallel3d.models.kv_cache import KVCache
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-EOS = "<|end_of_text|>"
+EOS = "<|endoftext|>"
 PROMPT = "alpha beta gamma"
-
-
-def write_tokenizer(folder: Path, texts: list[str]) -> Path:
-    """A byte-level BPE tokenizer.json trained on ``texts``, with EOS as its one special token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
 
 
 class Trained:
@@ -52,7 +39,12 @@ class Trained:
 
     def __init__(self, root: Path):
         texts = documents("doc", 200)
-        tokenizer = write_tokenizer(root / "tok", texts)
+        # Qwen3-style special tokens and chat template; <|endoftext|> ends documents (and is the
+        # folder's eos_token, so transformers and lm_eval agree on it).
+        folder = chat_tokenizer_folder(root / "tok", "qwen3")
+        config = json.loads((folder / "tokenizer_config.json").read_text()) | {"eos_token": EOS}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        tokenizer = folder / "tokenizer.json"
         data = write_jsonl(root / "train.jsonl", texts)
         self.run = launch(root / "run", [*FAST, "checkpoint.every=10", f"data.tokenizer={tokenizer}",
                                          f"data.sources=[{data}]", f"data.cache_dir={root / 'cache'}"])
@@ -60,10 +52,20 @@ class Trained:
         self.step_dir = self.run.run_dir / "checkpoints" / "step_10"
         self.export = root / "hf"
         assert convert_hf.main(["export", str(self.run.run_dir), str(self.export), "--dtype", "float32"]) == 0
-        # What transformers' AutoTokenizer needs to read tokenizer.json as it is.
-        (self.export / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": None}))
+        # What transformers' AutoTokenizer needs besides tokenizer.json (exports without it predate item 5).
+        if not (self.export / "tokenizer_config.json").is_file():
+            shutil.copyfile(folder / "tokenizer_config.json", self.export / "tokenizer_config.json")
         self.tokenizer = load_tokenizer(str(tokenizer))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread, as the harness gives every run (conftest.env): on two shared cores
+    more threads make each small forward many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +130,21 @@ def test_generate_equals_transformers_greedy(trained, capsys):
     assert capsys.readouterr().out == trained.tokenizer.decode([t for t in printed[:4] if t != eos]) + "\n"
 
 
+def test_chat_prompt_equals_transformers_chat_template(trained, capsys):
+    """--chat: the prompt as transformers' apply_chat_template renders a user turn (the assistant's
+    turn opened), and generation stops at <|im_end|> as well as at the end of text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(trained.export)
+    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(trained.export, dtype=torch.float32).eval()
+    stops = [trained.tokenizer.eos_id, hf_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert generate_cli.main([str(trained.run.run_dir), "--prompt", PROMPT, "--chat", "--max-new-tokens", "16",
+                              "--token-ids"]) == 0
+    assert [int(t) for t in capsys.readouterr().out.split()] == hf_greedy(reference, prompt, 16, eos=stops)
+
+
 def test_sampling_is_seeded_and_top_p_narrows_it(trained):
     model, prompt = load_model(trained.step_dir), trained.tokenizer.encode(PROMPT)
 
@@ -170,7 +187,7 @@ output_type: multiple_choice
 doc_to_text: "{{question}}"
 doc_to_choice: "{{choices}}"
 doc_to_target: "{{answer}}"
-metric_list: [{metric: acc}]
+metric_list: [{metric: acc, aggregation: mean, higher_is_better: true}]
 """,
     "p3d_rolling": """task: p3d_rolling
 dataset_path: json
@@ -179,7 +196,7 @@ test_split: test
 output_type: loglikelihood_rolling
 doc_to_text: ""
 doc_to_target: "{{question}}"
-metric_list: [{metric: word_perplexity}]
+metric_list: [{metric: word_perplexity, aggregation: weighted_perplexity, higher_is_better: false}]
 """,
     "p3d_generate": """task: p3d_generate
 dataset_path: json
@@ -189,7 +206,7 @@ output_type: generate_until
 doc_to_text: "{{question}}"
 doc_to_target: "{{choices[answer]}}"
 generation_kwargs: {until: ["gamma"], max_gen_toks: 6, do_sample: false}
-metric_list: [{metric: exact_match}]
+metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]
 """,
 }
 

@@ -67,17 +67,33 @@ def open_tokenizer(spec: str, *, needed: bool):
         return None
 
 
-def prompt_and_stops(args: argparse.Namespace, tokenizer) -> tuple[list[int], tuple[int, ...]]:
+def prompt_and_stops(args: argparse.Namespace, tokenizer, saved) -> tuple[list[int], tuple[int, ...]]:
     """The prompt's ids and the ids that end generation."""
     stops = () if tokenizer is None else (tokenizer.eos_id,)
     if args.prompt_ids is not None:
         return [int(t) for t in args.prompt_ids.replace(",", " ").split()], stops
     if args.chat:
-        raise RunError("--chat needs the chat rendering of parallel3d.data.chat, not in this build yet. "
-                       "Fix: render the prompt yourself and pass it with --prompt")
+        return chat_prompt(args.prompt, tokenizer, saved)
     ids = tokenizer.encode(args.prompt)
     if tokenizer.bos_id is not None:  # documents start with it in training
         ids = [tokenizer.bos_id, *ids]
+    return ids, stops
+
+
+def chat_prompt(text: str, tokenizer, saved) -> tuple[list[int], tuple[int, ...]]:
+    """``text`` as a user turn in the run's chat template, the assistant's turn opened; generation
+    also stops at the template's end-of-turn token (``<|eot_id|>``, ``<|im_end|>``)."""
+    from parallel3d.data.chat import _end_of_turn, chat_token_ids, load_chat_template
+
+    spec = str(saved.data.tokenizer)
+    template = load_chat_template(tokenizer_spec=spec, template_file=saved.data.get("chat_template"))
+    if template is None:
+        raise RunError(f"--chat: the tokenizer {spec} has no chat template (chat_template.jinja or "
+                       f"tokenizer_config.json). Fix: give --prompt without --chat")
+    ids = chat_token_ids(tokenizer=tokenizer, template=template, messages=[{"role": "user", "content": text}],
+                         add_generation_prompt=True)
+    end_of_turn = tokenizer.encode(_end_of_turn(template))  # one special token in the templates we know
+    stops = (tokenizer.eos_id, *end_of_turn) if len(end_of_turn) == 1 else (tokenizer.eos_id,)
     return ids, stops
 
 
@@ -85,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         step_dir = resolve_checkpoint(args.checkpoint, verify=args.verify)
-        spec = str(saved_config(step_dir).data.tokenizer)
-        tokenizer = open_tokenizer(spec, needed=not (args.prompt_ids is not None and args.token_ids))
-        prompt, stops = prompt_and_stops(args, tokenizer)
+        saved = saved_config(step_dir)
+        tokenizer = open_tokenizer(str(saved.data.tokenizer), needed=not (args.prompt_ids and args.token_ids))
+        prompt, stops = prompt_and_stops(args, tokenizer, saved)
         model = load_model(step_dir, device=torch.device(args.device), dtype=DTYPES[args.dtype])
         ids = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, stop_ids=stops, seed=args.seed)
