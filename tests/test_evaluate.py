@@ -4,13 +4,16 @@ the same val_loss."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_matches, layouts, prefetch_selected, relative_error
+from conftest import RUN_TIMEOUT_S, assert_matches, env, layouts, prefetch_selected, relative_error
 from parallel3d.config import DataConfig, EvalConfig, compose
 from parallel3d.data import load_tokenizer, open_eval_corpus, text_files, write_token_file
 from parallel3d.evaluate import Evaluator
@@ -78,7 +81,9 @@ def batched(parity, request, token_files):
 
 @pytest.fixture(scope="module")
 def documents_reference(parity, token_files):
-    return parity.run("documents-reference", 1, [*document_overrides(token_files), "train.micro_batch_size=16"])
+    # (checkpoint.every: parallel3d-evaluate evaluates its step 5 again, test_evaluate_a_checkpoint_at_dp2)
+    return parity.run("documents-reference", 1, [*document_overrides(token_files), "train.micro_batch_size=16",
+                                                 "checkpoint.every=5"])
 
 
 def test_reference_evaluates_at_every_and_last_step(documents_reference, token_files):
@@ -105,3 +110,24 @@ def test_layouts_train_and_evaluate_alike(layout, documents_reference, token_fil
     run = parity.train(layout, prefix="documents-", extra=document_overrides(token_files))
     assert len([r for r in run.metrics if "val_loss" in r]) == 2
     assert_matches(documents_reference, run, rel=1e-5, metrics=("loss", "val_loss"), weights=True)
+
+
+@pytest.mark.multirank
+def test_evaluate_a_checkpoint_at_dp2(documents_reference):
+    """parallel3d-evaluate on the one-process run's step 5, at dp2: the val_loss training logged
+    there, in a metrics line of its own run_dir (the training run's metrics untouched)."""
+    run_dir = documents_reference.run_dir
+    logged = next(r["val_loss"] for r in documents_reference.metrics if r["step"] == 5)
+    rows_before = (run_dir / "metrics.jsonl").read_text()
+    step_5 = run_dir / "checkpoints" / "step_5"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "parallel3d.cli.evaluate", str(step_5), "parallel.dp_shard=2",
+                           "train.micro_batch_size=8"],
+                          capture_output=True, text=True, env=env(), cwd=run_dir.parent, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = run_dir / "eval" / "step_5" / "metrics.jsonl"
+    [line] = [json.loads(row) for row in out.read_text().splitlines()]
+    assert line["step"] == 5 and line["layout"]["dp_shard"] == 2
+    assert relative_error([line["val_loss"]], [logged]) <= 1e-5
+    assert f"val_loss {line['val_loss']:.6f}" in proc.stdout and str(out) in proc.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == rows_before

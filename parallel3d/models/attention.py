@@ -23,13 +23,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids_q: torch.Ten
     parallel rank holding the tail of the keys needs it).
     """
     gqa = q.shape[1] != k.shape[1]
-    if doc_ids_q is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    doc_ids_k = doc_ids_q if doc_ids_k is None else doc_ids_k
     s_q, s_k = q.shape[2], k.shape[2]
-    causal = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
-    same_doc = doc_ids_q[:, None, :, None] == doc_ids_k[:, None, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc & causal, enable_gqa=gqa)
+    if doc_ids_q is None and s_q == s_k:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    # (is_causal aligns causality at the top left: new tokens over a KV cache need the bottom right)
+    mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
+    if doc_ids_q is not None:
+        doc_ids_k = doc_ids_q if doc_ids_k is None else doc_ids_k
+        mask = mask & (doc_ids_q[:, None, :, None] == doc_ids_k[:, None, None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def rotary_tables(cos: torch.Tensor, sin: torch.Tensor, seq_len: int,

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallel3d.config import ModelConfig, RopeScaling, head_dim
 from parallel3d.models.attention import rotary_tables, sdpa
+from parallel3d.models.kv_cache import BlockCache, KVCache
 from parallel3d.models.moe import MoE, active_ffn_params, expert_hidden, is_moe_layer
 
 
@@ -68,10 +69,11 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, *, kv_cache: BlockCache | None = None) -> torch.Tensor:
         """positions (b, s): each token's RoPE position (None: 0..s-1, or under context parallelism
         the global positions of this rank's tokens); doc_ids (b, s): its document (None: one
-        document). Both in q's sequence layout."""
+        document). Both in q's sequence layout. kv_cache: the earlier tokens' keys and values,
+        which these tokens extend and attend over (generation)."""
         # Head counts come from the tensors, not the config: under tensor parallelism a rank
         # holds only its share of the heads.
         q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
@@ -83,6 +85,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.extend(k, v)
         return self.wo(rearrange(self.attend(q, k, v, doc_ids), "b h s d -> b s (h d)"))
 
 
@@ -124,10 +128,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = feed_forward(cfg, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, *, kv_cache: BlockCache | None = None) -> torch.Tensor:
         # Keywords, not positional: tensor parallel plans prepare positional inputs only, and these
         # stay plain whole-sequence tensors (attention sees the whole sequence).
-        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions, doc_ids=doc_ids)
+        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions, doc_ids=doc_ids,
+                               kv_cache=kv_cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -149,24 +154,40 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, *, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Tokens to logits; a pipeline stage maps its input (tokens or hidden states) to its output.
 
         ``positions`` and ``doc_ids`` (b, s), from ``parallel3d.data.documents.document_inputs``:
         per-token RoPE positions and document ids of a packed sequence (None: 0..s-1, one
         document). Pipeline schedules hand every stage its micro batch's slice of them as keyword
-        arguments, so they reach every block whichever stage holds it."""
+        arguments, so they reach every block whichever stage holds it.
+
+        ``kv_cache`` (generation, one process, a whole model): ``tokens`` continue the tokens it
+        holds, at the positions after theirs; it then holds these too."""
+        if kv_cache is not None:
+            return self._forward_cached(tokens, kv_cache)
         h = self.tok_embeddings(tokens) if self.embeds_input else tokens
         for block in self.layers.values():
             h = block(h, self.rope_cos, self.rope_sin, positions=positions, doc_ids=doc_ids)
         if self.norm is None:  # not the last stage: pass hidden states on
             return h
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)
         return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
 
+    def _forward_cached(self, tokens: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        positions = kv_cache.positions(tokens.shape[1], tokens.device)
+        h = self.tok_embeddings(tokens)
+        for name, block in self.layers.items():
+            h = block(h, self.rope_cos, self.rope_sin, positions=positions, kv_cache=kv_cache.block(name))
+        kv_cache.advance(tokens.shape[1])
+        return self._logits(h)
+
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Materialized (``to_empty``) parameters get their layout-independent initial values."""
+    def init_rope(self) -> None:
+        """The RoPE tables (buffers never saved): what a model loaded from a checkpoint needs besides its weights."""
         angles = torch.outer(
             torch.arange(self.cfg.max_seq_len, dtype=torch.float32),
             rope_frequencies(head_dim(self.cfg), self.cfg.rope_theta, self.cfg.rope_scaling),
@@ -174,6 +195,11 @@ class Transformer(nn.Module):
         device = self.rope_cos.device  # every pipeline stage has the buffers, not every stage the embedding
         self.rope_cos = angles.cos().to(device)
         self.rope_sin = angles.sin().to(device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Materialized (``to_empty``) parameters get their layout-independent initial values."""
+        self.init_rope()
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             if "norm" in name:

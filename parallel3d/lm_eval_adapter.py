@@ -1,0 +1,127 @@
+"""lm-evaluation-harness on a parallel3d checkpoint: the model ``parallel3d`` in lm_eval's registry.
+
+    python -m parallel3d.lm_eval_adapter --model parallel3d --model_args checkpoint=RUN_DIR \\
+        --tasks hellaswag [any other lm_eval option]
+
+or, in Python, ``import parallel3d.lm_eval_adapter`` (registers it) and
+``lm_eval.simple_evaluate(model="parallel3d", model_args="checkpoint=RUN_DIR", tasks=[...])``.
+model_args: ``checkpoint`` (a run_dir, checkpoints/ or step_<N> folder), ``device``, ``dtype``
+(float32, bfloat16), ``max_length`` (default the model's max_seq_len), ``verify``.
+
+The requests are scored as lm_eval's ``hf`` model scores them on the exported folder (lm_eval's
+own context/continuation split, no BOS added, the BOS -- else EOS -- token as the prefix of an
+empty context, contexts cut from the left to ``max_length``): the same numbers, from the
+checkpoint itself. One request per forward (no padding). ``generate_until`` decodes greedily
+(or with the request's temperature) with ``parallel3d.generate``. lm_eval is imported here only:
+``pip install parallel3d[eval]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lm_eval.models  # noqa: F401  (lm_eval's own models, registered before ours: else the registry holds ours alone)
+import torch
+import torch.nn.functional as F
+from lm_eval import utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from parallel3d.data.tokenizer import load_tokenizer
+from parallel3d.generate import generate, load_model, resolve_checkpoint, saved_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@register_model("parallel3d")
+class Parallel3dLM(TemplateLM):
+    """A checkpoint's model and its run's tokenizer, in one process."""
+
+    def __init__(self, checkpoint: str, device: str | None = None, dtype: str = "float32",
+                 max_length: int | None = None, verify: str = "checksum", **kwargs):
+        super().__init__()
+        step_dir = resolve_checkpoint(Path(checkpoint), verify=verify)
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = load_model(step_dir, device=self._device, dtype=DTYPES[dtype])
+        self.tok = load_tokenizer(str(saved_config(step_dir).data.tokenizer))
+        self.max_length = int(max_length or self.model.cfg.max_seq_len)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tok.encode(string)
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tok.decode(tokens)
+
+    @torch.no_grad()
+    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """log P(continuation | context) and whether greedy decoding would give the continuation."""
+        window = (context + continuation)[-(self.max_length + 1):]
+        inputs = torch.tensor([window[:-1]], device=self.device)
+        logits = self.model(inputs)[0, -len(continuation):].float()
+        target = torch.tensor(continuation, device=self.device)
+        logprobs = F.log_softmax(logits, dim=-1)
+        greedy = bool((logprobs.argmax(dim=-1) == target).all())
+        return float(logprobs.gather(1, target[:, None]).sum()), greedy
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        results = []
+        for cache_key, context, continuation in tqdm(requests, disable=disable_tqdm, desc="parallel3d"):
+            result = self._score(context, continuation)
+            if cache_key is not None:
+                self.cache_hook.add_partial("loglikelihood", cache_key, result)
+            results.append(result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """The whole string's log-likelihood over disjoint windows of ``max_length`` tokens (as ``hf``)."""
+        results = []
+        for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="parallel3d rolling"):
+            windows = utils.get_rolling_token_windows(token_list=self.tok_encode(string),
+                                                      prefix_token=self.prefix_token_id,
+                                                      max_seq_len=self.max_length, context_len=1)
+            scores = [self._score(*utils.make_disjoint_window(w))[0] for w in windows]
+            total = sum(scores)
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+            results.append(total)
+        return results
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        results = []
+        for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm, desc="parallel3d generate"):
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(gen_kwargs.get("max_gen_toks", 256))
+            temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
+            prompt = self.tok_encode(context)[-(self.max_length - max_new):]
+            ids = generate(self.model, prompt, max_new_tokens=max_new, temperature=temperature,
+                           stop_ids=(self.eot_token_id,))
+            text = self.tok_decode([i for i in ids if i != self.eot_token_id])
+            for stop in until:
+                text = text.split(stop)[0]
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            results.append(text)
+        return results
+
+
+def main() -> None:
+    """lm_eval's command line with the ``parallel3d`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
