@@ -134,8 +134,8 @@ def _muon_update(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, gro
     local_buf.lerp_(local_grad, 1 - momentum)
     update = local_grad.lerp(local_buf, momentum) if group["nesterov"] else local_buf
     # Newton–Schulz starts by casting to bfloat16: gathering the cast halves the bytes, same result.
-    whole, placements = _gather_matrices(update.bfloat16(), param)
-    ortho = _keep_own_slice(_orthogonalise(whole, group), param, placements)
+    whole, placements = gather_matrices(update.bfloat16(), param)
+    ortho = keep_own_slice(_orthogonalise(whole, group), param, placements)
     adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:])
     local_param.mul_(1 - lr * group["weight_decay"])
     local_param.add_(ortho, alpha=-adjusted_lr)
@@ -162,7 +162,7 @@ def matrix_placements(param: torch.Tensor) -> list:
     return [pl if isinstance(pl, Shard) and pl.dim < leading else Replicate() for pl in param.placements]
 
 
-def _gather_matrices(update: torch.Tensor, param: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+def gather_matrices(update: torch.Tensor, param: torch.Tensor) -> tuple[torch.Tensor, list | None]:
     """This rank's whole matrices of ``update`` (a local shard shaped like ``param``'s)."""
     if not isinstance(param, DTensor):
         return update, None
@@ -174,7 +174,7 @@ def _gather_matrices(update: torch.Tensor, param: torch.Tensor) -> tuple[torch.T
     return sharded.redistribute(placements=placements).to_local(), placements
 
 
-def _keep_own_slice(ortho: torch.Tensor, param: torch.Tensor, placements: list | None) -> torch.Tensor:
+def keep_own_slice(ortho: torch.Tensor, param: torch.Tensor, placements: list | None) -> torch.Tensor:
     """This rank's shard of the orthogonalised whole matrices (a local slice: no communication)."""
     if placements is None or placements == list(param.placements):
         return ortho

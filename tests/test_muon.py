@@ -111,6 +111,23 @@ def test_one_process_equals_torch_muon_and_adamw_by_hand(model, one_thread):
     torch.testing.assert_close(dict(ours.model.state_dict()), dict(theirs.model.state_dict()), rtol=0, atol=0)
 
 
+def test_a_skipped_step_moves_neither_weights_nor_momentum(one_thread):
+    """The bad-step guard skips the one optimizer: Muon's matrices and momentum stay as they were."""
+    from parallel3d.guard import BadStepGuard
+
+    setup = _setup([])
+    guard = BadStepGuard(on_bad_step="skip", spike_factor=0.0, max_bad_steps=3, nan_steps=[2])
+    wq = setup.model.layers["0"].attention.wq.weight
+    for step in (1, 2):
+        guard.begin(step)
+        train_step(setup, _batches(step, setup.config.model.vocab_size), guard=guard)
+        setup.optimizer.zero_grad(set_to_none=True)
+        if step == 1:
+            before = wq.detach().clone(), setup.optimizer.state[wq]["momentum_buffer"].clone()
+    assert guard.skipped and guard.skipped_steps == 1
+    torch.testing.assert_close((wq.detach(), setup.optimizer.state[wq]["momentum_buffer"]), before, rtol=0, atol=0)
+
+
 def test_the_parameter_rule():
     """Block matrices and stacked experts: Muon's; embedding, head, norms and routers: AdamW's."""
     setup = _setup(MOE)
