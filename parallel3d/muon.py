@@ -40,8 +40,8 @@ def is_muon_parameter(name: str, ndim: int) -> bool:
     blocks (``layers.*``), except the routers. The embedding and output head are matrices too, but
     Muon is for hidden layers: they stay with AdamW, as do norms and biases (1-D). ``ndim``: the
     parameter's (the planner asks with shapes, not tensors)."""
-    in_block = name.startswith("layers.")
-    return in_block and ndim in (2, 3) and not any(part in name.split(".") for part in NOT_MUON)
+    parts = name.split(".")  # a pipeline rank's stages prefix their index: 0.layers.3.attention.wq.weight
+    return "layers" in parts and ndim in (2, 3) and not any(part in parts for part in NOT_MUON)
 
 
 def check_muon_config(m) -> None:
@@ -67,12 +67,13 @@ def check_muon_config(m) -> None:
 
 def build_muon_adamw(model: nn.Module, optim) -> MuonWithAdamW:
     """Muon over the model's block matrices, AdamW (as ``optim.name=adamw`` builds it) over the
-    rest. ``optim.muon.lr`` and ``optim.muon.weight_decay`` default to AdamW's (null)."""
+    rest. ``optim.muon.lr`` and ``optim.muon.weight_decay`` default to AdamW's (null). A pipeline
+    stage without blocks leaves Muon a group without parameters (torch refuses no group at all)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     matrices = [p for name, p in named if is_muon_parameter(name, p.ndim)]
     rest = [(name, p) for name, p in named if not is_muon_parameter(name, p.ndim)]
     m = optim.muon
-    muon = Muon(matrices, lr=optim.lr if m.lr is None else m.lr,
+    muon = Muon([{"params": matrices}], lr=optim.lr if m.lr is None else m.lr,
                 weight_decay=optim.weight_decay if m.weight_decay is None else m.weight_decay,
                 momentum=m.momentum, nesterov=m.nesterov, ns_coefficients=tuple(m.ns_coefficients), eps=m.eps,
                 ns_steps=m.ns_steps, adjust_lr_fn=m.adjust_lr_fn)

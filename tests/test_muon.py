@@ -9,11 +9,11 @@ from functools import partial
 import pytest
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from conftest import assert_matches, relative_error
 from parallel3d.config import compose
-from parallel3d.muon import MuonWithAdamW, is_muon_parameter
+from parallel3d.muon import Muon, MuonWithAdamW, is_muon_parameter
 from parallel3d.optim import lr_factor
 from parallel3d.step import build_setup, train_step
 from parallel3d.validate import ConfigError, check
@@ -149,6 +149,48 @@ def test_bad_muon_keys_fail_naming_the_key(override, key):
         check(compose([*MUON, override, "run_dir=."]), 1)
 
 
+# (shape, placement over 2 ranks): FSDP's and tp's splits of a matrix (an uneven one too), and
+# stacked experts split along the expert dim (ep, FSDP: no gather) or, as a check, a matrix dim.
+SPLITS = [((63, 48), Shard(0)), ((48, 64), Shard(1)), ((4, 24, 16), Shard(0)), ((4, 24, 16), Shard(2))]
+
+
+def _update_on_two_ranks(rank: int, port: int) -> None:
+    """Each split's Muon steps on DTensors equal one process's on the whole tensor, bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, eps=1e-7, ns_steps=5,
+                        ns_coefficients=(3.4445, -4.775, 2.0315), adjust_lr_fn="original")
+        for i, (shape, placement) in enumerate(SPLITS):
+            g = torch.Generator().manual_seed(i)
+            weight, grads = torch.randn(shape, generator=g), [torch.randn(shape, generator=g) for _ in range(2)]
+            whole = torch.nn.Parameter(weight.clone())
+            split = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [placement]))
+            one, two = Muon([whole], **settings), Muon([split], **settings)
+            for grad in grads:
+                whole.grad, split.grad = grad.clone(), distribute_tensor(grad.clone(), mesh, [placement])
+                one.step(), two.step()
+            assert torch.equal(split.full_tensor(), whole.detach()), (shape, placement)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_a_split_matrix_gets_the_update_of_the_whole():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_update_on_two_ranks, args=(port,), nprocs=2)
+
+
 @pytest.fixture(scope="module")
 def muon_runs(parity):
     """The one-process references (dense, MoE) in one launch; the layouts, then the resume, in one
@@ -165,12 +207,17 @@ def muon_runs(parity):
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_like_one_process(muon_runs, name):
+    """The losses of one process, within 1e-5. Not the weights and grad norms: layouts sum gradients
+    in other orders (float32 rounding), and Newton–Schulz, which raises a matrix's small singular
+    values by up to a^ns_steps (about 480), carries those last bits into every element of the
+    update (see docs/optimizers.md). test_a_split_matrix_gets_the_update_of_the_whole shows the
+    split update equal to the whole one, bit for bit, given the same gradient."""
     nproc, overrides = LAYOUTS[name]
     moe = MOE[0] in overrides
     reference = muon_runs.run("muon-moe-reference" if moe else "muon-reference", 1,
                               [*MUON, *(MOE if moe else []), "train.micro_batch_size=16"])
     run = muon_runs.run(name, nproc, [*MUON, *overrides])
-    assert_matches(reference, run, rel=1e-5, weights=True)
+    assert_matches(reference, run, rel=1e-5, metrics=("loss",))
 
 
 @pytest.mark.multirank
@@ -180,8 +227,4 @@ def test_muon_state_saved_at_dp2_tp2_resumes_at_dp2_pp2(muon_runs):
     saved = muon_runs.root / SAVING / "checkpoints" / "step_5"
     run = muon_runs.run(name, nproc, [*MUON, *overrides, f"checkpoint.resume={saved}"])
     assert [r["step"] for r in run.metrics] == list(range(6, 11))
-    want = reference.metrics[5:]
-    assert relative_error(run.losses, [r["loss"] for r in want]) < 1e-5
-    assert relative_error([r["grad_norm"] for r in run.metrics], [r["grad_norm"] for r in want]) < 1e-5
-    torch.testing.assert_close(load_file(str(run.run_dir / "model.safetensors")),
-                               load_file(str(reference.run_dir / "model.safetensors")), rtol=1e-5, atol=1e-5)
+    assert relative_error(run.losses, [r["loss"] for r in reference.metrics[5:]]) < 1e-5
