@@ -135,8 +135,25 @@ class TrainConfig:
 
 
 @dataclass
+class MuonConfig:
+    """``optim.name=muon``: torch.optim.Muon's settings for the blocks' matrices (docs/optimizers.md);
+    AdamW, with the keys above, takes every other parameter."""
+
+    lr: Optional[float] = None  # peak lr of the Muon group; null: optim.lr (the schedule drives both)
+    weight_decay: Optional[float] = None  # decoupled, lr-scaled as AdamW's; null: optim.weight_decay
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    eps: float = 1e-7
+    ns_steps: int = 5
+    # match_rms_adamw: update RMS as AdamW's, so optim.lr serves both; original: Keller Jordan's
+    # sqrt(max(1, rows/cols)), which wants its own, larger, optim.muon.lr (e.g. 0.02).
+    adjust_lr_fn: str = "match_rms_adamw"
+
+
+@dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "adamw"  # adamw | muon (Muon for the blocks' matrices, AdamW for the rest)
     lr: float = 3e-3
     beta1: float = 0.9
     beta2: float = 0.95
@@ -150,6 +167,7 @@ class OptimConfig:
     warmup_steps: int = 5
     min_lr_ratio: float = 0.1  # final lr / peak lr for cosine and wsd
     decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass

@@ -29,8 +29,13 @@ def decay_groups(model: nn.Module, weight_decay: float, no_decay) -> list[dict]:
     """AdamW parameter groups: parameters whose name matches a glob pattern of ``no_decay``
     (``fnmatch`` on names such as ``layers.0.ffn_norm.weight``) get no weight decay, the rest
     ``weight_decay``. Empty groups are left out (a pipeline stage may hold no norm)."""
+    return named_decay_groups(model.named_parameters(), weight_decay, no_decay)
+
+
+def named_decay_groups(named_parameters, weight_decay: float, no_decay) -> list[dict]:
+    """:func:`decay_groups` of some (name, parameter) pairs (those AdamW takes beside Muon)."""
     decay, exempt = [], []
-    for name, p in model.named_parameters():
+    for name, p in named_parameters:
         if p.requires_grad:
             (exempt if any(fnmatch(name, pattern) for pattern in no_decay) else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]

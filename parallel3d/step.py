@@ -26,6 +26,7 @@ from parallel3d.data.documents import document_inputs, document_positions
 from parallel3d.guard import BadStepGuard, poison
 from parallel3d.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.models import Transformer
+from parallel3d.muon import build_muon_adamw
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
@@ -103,7 +104,7 @@ def build_setup(c: Config, device: torch.device,
     model, pipeline, tied = build_model(c, meshes, device, microbatches, loss_fn, materialize)
     configure_moe([model] if pipeline is None else pipeline.parts, spec.local_batch_size, meshes.cp_tp, dims.cp)
     with materialize or contextlib.nullcontext():
-        optimizer = build_optimizer(model, c.optim)
+        optimizer = build_muon_adamw(model, c.optim) if c.optim.name == "muon" else build_optimizer(model, c.optim)
         scheduler = build_lr_scheduler(optimizer, c.optim, t.steps)
     return Setup(c, device, dims, meshes, spec, model, pipeline, tied, optimizer, scheduler, loss_fn)
 

@@ -22,6 +22,7 @@ from parallel3d import hf, hf_config
 from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device, world_size_from_env
 from parallel3d.checkpoint import find_checkpoint
 from parallel3d.manifest import VERIFY_MODES
+from parallel3d.muon import OPTIMIZERS, check_muon_config
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
 from parallel3d.guard import check_bad_step_config
@@ -313,8 +314,9 @@ def _check_context(p, t, m) -> None:
 
 
 def _check_optim(o, steps: int) -> None:
-    if o.name != "adamw":
-        raise ConfigError("optim.name", o.name, "unknown optimizer", "use adamw")
+    if o.name not in OPTIMIZERS:
+        raise ConfigError("optim.name", o.name, "unknown optimizer", f"use one of {', '.join(OPTIMIZERS)}")
+    check_muon_config(o.muon)
     if o.lr <= 0:
         raise ConfigError("optim.lr", o.lr, "must be > 0", "use a positive learning rate, e.g. 3e-4")
     if o.schedule not in LR_SCHEDULES:

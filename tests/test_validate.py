@@ -63,7 +63,7 @@ BAD = [
     (["train.spike_factor=0.5"], 1, "train.spike_factor", "above 1"),
     (["train.max_bad_steps=0"], 1, "train.max_bad_steps", ">= 1"),
     (["debug.nan_steps=[0]"], 1, "debug.nan_steps", ">= 1"),
-    (["optim.name=sgd"], 1, "optim.name", "adamw"),
+    (["optim.name=sgd"], 1, "optim.name", "adamw, muon"),
     (["optim.lr=0"], 1, "optim.lr", "> 0"),
     (["optim.schedule=linear"], 1, "optim.schedule", "cosine, wsd, constant"),
     (["optim.implementation=cuda"], 1, "optim.implementation", "fused"),

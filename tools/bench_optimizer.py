@@ -5,6 +5,14 @@ for_loop. Prints a Markdown block for BENCHMARKS.md.
 
     python tools/bench_optimizer.py [--steps 15] [--threads 1] [model=llama3_1b model.n_layers=2 ...]
 
+``--muon``: Muon against AdamW in one layout, on every rank of a torchrun group: the real
+parallelized model of ``build_setup`` (FSDP, tp, pp, ep as the overrides say), gradients from one
+training step, then the median wall time of ``optimizer.step()`` (the slowest rank's), for
+``optim.name=adamw`` and ``muon``, and the bytes the planner counts for Muon's gathers. Prints one
+Markdown table row.
+
+    torchrun --nproc-per-node 4 tools/bench_optimizer.py --muon [--steps 5] parallel.tp=2 ...
+
 All implementations start from the same parameters, gradients and state, and must compute the
 same update (checked before anything is timed). CPU time of the process is reported on a CPU (one
 torch thread by default: stable on a shared machine), CUDA-synchronized wall time on a GPU.
@@ -16,6 +24,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
@@ -62,10 +71,79 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=15, help="timed steps per implementation (after 3 warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on a CPU")
+    parser.add_argument("--muon", action="store_true", help="Muon against AdamW in the layout the overrides give")
     parser.add_argument("overrides", nargs="*", help="model overrides, e.g. model=llama3_1b model.n_layers=2")
     args = parser.parse_args(argv)
     with torch_threads(args.threads):
-        return run(args, argv)
+        return muon_against_adamw(args) if args.muon else run(args, argv)
+
+
+def step_seconds(overrides: list[str], steps: int) -> tuple[float, float]:
+    """Median wall times (the slowest rank's) of ``optimizer.step()`` after one training step, and of
+    Muon's gathers alone (0 under AdamW)."""
+    import torch.distributed as dist
+    from parallel3d.step import build_setup, train_step
+    from parallel3d.validate import check
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    c = OmegaConf.to_object(check(compose([*overrides, "run_dir=."]), world))
+    setup = build_setup(c, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    t = c.train
+    batches = [(torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len), generator=g),) * 2
+               for _ in range(setup.spec.num_micro_batches)]
+    train_step(setup, batches)  # gradients, and the optimizer state (its first step)
+    matrices = setup.optimizer.muon.param_groups[0]["params"] if c.optim.name == "muon" else []
+    gathers = partial(_gather_all, [(p, p.detach().bfloat16() if not hasattr(p, "to_local")
+                                     else p.to_local().bfloat16()) for p in matrices])
+    return _median_seconds(setup.optimizer.step, steps), _median_seconds(gathers, steps)
+
+
+def _gather_all(pairs) -> None:
+    """Muon's gathers alone: every matrix's bfloat16 update to whole matrices and back to the slice."""
+    from parallel3d.muon import gather_matrices, keep_own_slice
+
+    for param, update in pairs:
+        whole, placements = gather_matrices(update, param)
+        keep_own_slice(whole, param, placements)
+
+
+def _median_seconds(fn, steps: int) -> float:
+    """Median wall time of ``fn()`` over ``steps`` calls, the slowest rank's each time."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor(time.perf_counter() - start)
+        if dist.is_initialized():
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return statistics.median(times)
+
+
+def muon_against_adamw(args) -> int:
+    import os
+
+    from parallel3d.distributed import init_distributed
+    from parallel3d.planner import predict
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    init_distributed(compose([*args.overrides, "run_dir=."]).train, world)
+    adamw, _ = step_seconds([*args.overrides, "optim=adamw_cosine"], args.steps)
+    muon, gathers = step_seconds([*args.overrides, "optim=muon_cosine"], args.steps)
+    traffic = [predict(compose([*args.overrides, f"optim={name}", "run_dir=."]), world).comm_bytes
+               for name in ("adamw_cosine", "muon_cosine")]
+    extra = sum(v for group in traffic[1].values() for v in group.values()) - \
+        sum(v for group in traffic[0].values() for v in group.values())
+    if int(os.environ.get("RANK", "0")) == 0:
+        layout = " ".join(args.overrides) or "one process"
+        print(f"| {world} | {layout} | {adamw * 1e3:.1f} | {muon * 1e3:.1f} | {gathers * 1e3:.1f} | "
+              f"{extra / 1e6:.3f} |")
+    return 0
 
 
 def run(args, argv: list[str] | None) -> int:

@@ -47,6 +47,9 @@ When the code communicates (see ``parallel/data.py`` and torch's pipelining stag
   and tp each rank routes its shard of the sequence (b·s/(cp·tp) tokens). Before each dispatch
   the ranks swap their counts per expert (int64, all-to-all); the aux loss sums each sequence's
   expert counts over cp x tp (b·experts float32, an all-reduce per MoE block forward).
+* Muon (``optim.name=muon``), once per optimizer step: each block matrix that FSDP or tp splits
+  is all-gathered in bfloat16 to be orthogonalised whole, over the data-parallel shards and then
+  over tp; stacked experts are split along the expert dim only and need nothing.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from collections import defaultdict
 
 from parallel3d.planner.activations import Geometry, checkpointed
 from parallel3d.planner.layout import MASTER_BYTES, Layout, ModelShape, Stage, embedding_param
-from parallel3d.planner.memory import expert_local_shape, param_state, tp_local_shape
+from parallel3d.planner.memory import NS_BYTES, expert_local_shape, param_state, tp_local_shape
 
 GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp", "cp", "dp_cp", "dp_shard_cp", "cp_tp", "ep", "expert_dp")
 
@@ -117,7 +120,25 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
         _expert_parallel(out, model, stages, layout, reductions)
     if model.aux_loss and layout.cp * layout.tp > 1:
         _aux_loss_counts(out, model, stages, layout)
+    if layout.optimizer == "muon":
+        _muon_gathers(out, model, stages, layout)
     return {group: dict(kinds) for group, kinds in out.items() if any(kinds.values())}
+
+
+def _muon_gathers(out: dict, model: ModelShape, stages: list[Stage], layout: Layout) -> None:
+    """Muon's step gathers each block matrix that data or tensor parallelism splits, in bfloat16
+    (``parallel3d.muon``): the data-parallel shards of the tp-local matrix, then the tp pieces.
+    Stacked experts are split along the expert dim only (whole matrices on every rank): none."""
+    n, group = layout.shards, data_parallel_group(layout)
+    for stage in stages:
+        for spec, count in stage.counted_params(model):
+            if not spec.muon or spec.expert:
+                continue
+            shape = tp_local_shape(spec, layout.tp)
+            padded = -(-shape[0] // n) * n * math.prod(shape[1:])
+            out[group]["all_gather"] += count * ring("all_gather", padded * NS_BYTES, n)
+            if spec.tp_dim is not None:
+                out["tp"]["all_gather"] += count * ring("all_gather", spec.numel * NS_BYTES, layout.tp)
 
 
 def data_parallel_group(layout: Layout) -> str:

@@ -15,6 +15,7 @@ from typing import Optional
 from parallel3d.base import resolve_device
 from parallel3d.config import MoEConfig
 from parallel3d.mesh import ParallelDims
+from parallel3d.muon import is_muon_parameter
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
 from parallel3d.parallel.tensor import BLOCK_SPLITS, outer_splits
 
@@ -96,6 +97,7 @@ class Layout(ParallelDims):
     document_masking: bool = False  # data.document_masking: attention keeps a (b, 1, s, s) mask
     reset_positions: bool = False  # data.reset_positions: each block gathers per-token RoPE tables
     ep: int = 1  # expert parallelism: experts split over ep ranks of dp_shard x cp x tp, sharded over the rest
+    optimizer: str = "adamw"  # optim.name: muon keeps one state tensor per block matrix, and gathers it
 
     @classmethod
     def from_config(cls, cfg, device: str | None = None) -> "Layout":
@@ -113,6 +115,7 @@ class Layout(ParallelDims):
             param_dtype=t.param_dtype,
             reduce_dtype=t.reduce_dtype, device=resolve_device(t.device, device or "cuda"), ep=p.ep,
             document_masking=bool(cfg.data.document_masking), reset_positions=bool(cfg.data.reset_positions),
+            optimizer=cfg.optim.name,
         )
 
     @property
@@ -185,6 +188,11 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def muon(self) -> bool:
+        """Whether ``optim.name=muon`` gives this parameter to Muon (``parallel3d.muon``)."""
+        return is_muon_parameter(self.name, len(self.shape))
 
 
 def block_params(model: ModelShape, layer: int) -> list[ParamSpec]:

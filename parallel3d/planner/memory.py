@@ -14,6 +14,8 @@ an idealization:
   DDP keeps everything whole;
 * AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the (sharded) parameter plus a float32
   ``step`` scalar tensor per parameter: 4 bytes that ``model_state_bytes`` counts too;
+* under ``optim.name=muon`` the blocks' matrices keep one ``momentum_buffer`` each, sharded like
+  the parameter, and no ``step``; the rest keeps AdamW's state;
 * a tied last pipeline stage holds its own copy of the embedding (with gradient and state);
 * expert-parallel experts: 1/ep of the experts, sharded over expert_dp by the ZeRO stage.
 """
@@ -27,6 +29,8 @@ from parallel3d.planner.layout import MASTER_BYTES, Layout, ModelShape, ParamSpe
 
 ADAM_STEP_BYTES = 4  # AdamW's per-parameter ``step``: a float32 scalar tensor (torch.optim._get_scalar_dtype)
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq
+MUON_MOMENTS = 1  # momentum_buffer
+NS_BYTES = 2  # Muon's Newton–Schulz runs (and its gather moves the update) in bfloat16
 
 
 def chunk_rows(rows: int, n: int, rank: int) -> int:
@@ -70,6 +74,8 @@ def param_state(spec: ParamSpec, layout: Layout, dp_rank: int = 0) -> ModelState
     if spec.expert and layout.ep > 1:
         rows, n = expert_local_shape(spec, layout, dp_rank)[0], 1
     local = chunk_rows(rows, n, dp_rank % n) * row_numel * MASTER_BYTES
+    if layout.optimizer == "muon" and spec.muon:
+        return ModelState(local, local, MUON_MOMENTS * local)
     return ModelState(local, local, ADAM_MOMENTS * local + ADAM_STEP_BYTES)
 
 
@@ -151,4 +157,18 @@ def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, bloc
         gathered = stage_numel * c if c != MASTER_BYTES else 0
     tokens = layout.micro_batch_size * layout.seq_len
     loss = 2 * 4 * tokens * model.vocab_size // layout.tp if any(s.last for s in stages) else 0
-    return gathered + max(loss, block_peak)
+    return gathered + max(loss, block_peak, muon_step_bytes(model, stages, layout))
+
+
+def muon_step_bytes(model: ModelShape, stages: list[Stage], layout: Layout) -> int:
+    """Muon's optimizer step, one matrix at a time: the whole matrix gathered in bfloat16, and
+    Newton–Schulz's iterate, its Gram matrix and their products (``parallel3d.muon``), for the
+    largest of the stages' block matrices; 0 under AdamW."""
+    if layout.optimizer != "muon":
+        return 0
+    shapes = [spec.shape[-2:] for s in stages for spec, _ in s.counted_params(model) if spec.muon]
+    if not shapes:
+        return 0
+    rows, cols = max(shapes, key=lambda shape: shape[0] * shape[1])
+    small = min(rows, cols)
+    return NS_BYTES * (3 * rows * cols + 3 * small * small)
