@@ -174,7 +174,7 @@ class OptimConfig:
 class DataConfig:
     source: str = "stdlib"  # stdlib: the Python standard library's source; file: a prepared token file
     path: Optional[str] = None  # token file written by parallel3d-prepare-data (source=file)
-    tokenizer: str = "byte"  # byte, or a path to a Hugging Face tokenizer.json
+    tokenizer: str = "byte"  # byte, a Hugging Face tokenizer.json or its folder; init_from=HF_DIR: that folder
     max_bytes: int = 8_000_000  # stdlib corpus: stop after this much text
     cache_dir: str = "~/.cache/parallel3d"  # also where data.sources are tokenized to (keyed by content)
     # Files to train on (docs/data.md): .jsonl/.jsonl.gz/.json, .parquet, folders or globs of them,
@@ -258,7 +258,8 @@ class CheckpointConfig:
     # afresh; or a path to a checkpoint (step_<N>/), a checkpoints/ folder or a run_dir.
     resume: str = "auto"
     # Initial weights for a fresh start: a checkpoint (a seed checkpoint, say) or a Hugging Face
-    # Llama folder (config.json + *.safetensors). Model weights only; ignored when resuming.
+    # folder (config.json + *.safetensors), which then also defines model.* and data.tokenizer
+    # (parallel3d/hf_config.py). Model weights only; ignored when resuming.
     init_from: Optional[str] = None
     create_seed: bool = False  # initialize, save checkpoints/step_0 (weights only) and stop
     # Before a checkpoint is loaded its files are checked against its manifest.json: checksum

@@ -75,9 +75,16 @@ def read_model(path: Path) -> dict[str, tuple[str, object]]:
     def get(key: str):
         return hf[key] if hf.get(key) is not None else _DEFAULTS[fam].get(key)
 
+    try:
+        return _dense(hf, fam, get, path) | _moe(hf, fam, get)
+    except KeyError as e:
+        _refuse(path, f"its config.json has no {e.args[0]}", "use a complete config.json (as save_pretrained writes)")
+
+
+def _dense(hf: dict, fam: str, get, path: Path) -> dict[str, tuple[str, object]]:
     heads = hf["num_attention_heads"]
     theta, scaling = _rope(hf, path, get("rope_theta"))
-    model = {
+    return {
         "dim": ("hidden_size", hf["hidden_size"]), "n_layers": ("num_hidden_layers", hf["num_hidden_layers"]),
         "n_heads": ("num_attention_heads", heads),
         "n_kv_heads": ("num_key_value_heads", hf.get("num_key_value_heads") or heads),
@@ -87,9 +94,8 @@ def read_model(path: Path) -> dict[str, tuple[str, object]]:
         "rope_scaling": ("rope_scaling", scaling),
         "max_seq_len": ("max_position_embeddings", get("max_position_embeddings")),
         "tie_embeddings": ("tie_word_embeddings", bool(hf.get("tie_word_embeddings", False))),
-        "qk_norm": ("model_type", fam in ("qwen3", "qwen3_moe")),
+        "qk_norm": (_implied(fam, "qk_norm"), fam in ("qwen3", "qwen3_moe")),
     }
-    return model | _moe(hf, fam, get)
 
 
 def _moe(hf: dict, fam: str, get) -> dict[str, tuple[str, object]]:
@@ -100,15 +106,22 @@ def _moe(hf: dict, fam: str, get) -> dict[str, tuple[str, object]]:
                 "moe.every": ("decoder_sparse_step", get("decoder_sparse_step")),
                 "moe.norm_topk_prob": ("norm_topk_prob", get("norm_topk_prob")),
                 "moe.aux_loss_coef": ("router_aux_loss_coef", get("router_aux_loss_coef")),
-                "moe.shared_experts": ("model_type", 0), "moe.router": ("model_type", "softmax")}
+                "moe.shared_experts": (_implied(fam, "shared_experts"), 0),
+                "moe.router": (_implied(fam, "router"), "softmax")}
     if fam == "mixtral":
         return {"moe.num_experts": ("num_local_experts", hf["num_local_experts"]),
                 "moe.top_k": ("num_experts_per_tok", hf["num_experts_per_tok"]),
                 "moe.expert_ffn_dim": ("intermediate_size", hf["intermediate_size"]),
-                "moe.every": ("model_type", 1), "moe.norm_topk_prob": ("model_type", True),
+                "moe.every": (_implied(fam, "every"), 1), "moe.norm_topk_prob": (_implied(fam, "norm_topk_prob"), True),
                 "moe.aux_loss_coef": ("router_aux_loss_coef", get("router_aux_loss_coef")),
-                "moe.shared_experts": ("model_type", 0), "moe.router": ("model_type", "softmax")}
-    return {"moe.num_experts": ("model_type", 0)}
+                "moe.shared_experts": (_implied(fam, "shared_experts"), 0),
+                "moe.router": (_implied(fam, "router"), "softmax")}
+    return {"moe.num_experts": (_implied(fam, "num_experts"), 0)}
+
+
+def _implied(fam: str, name: str) -> str:
+    """How a refusal names a value the family implies: ``model_type=qwen3, so qk_norm``."""
+    return f"model_type={fam}, so {name}"
 
 
 def _rope(hf: dict, path: Path, default_theta: float) -> tuple[float, dict | None]:
@@ -147,8 +160,8 @@ def disagreements(path: Path, model_cfg, keys=None) -> list[tuple[str, str, obje
     """``(model key, config.json key, folder's value, model_cfg's value)`` for each of ``keys``
     (default: all the folder decides) on which ``model_cfg`` (a ModelConfig or DictConfig) differs."""
     decided = read_model(path)
-    ours = {key: OmegaConf.select(OmegaConf.structured(model_cfg) if not OmegaConf.is_config(model_cfg)
-                                  else model_cfg, key) for key in decided}
+    tree = model_cfg if OmegaConf.is_config(model_cfg) else OmegaConf.structured(model_cfg)
+    ours = {key: OmegaConf.select(tree, key) for key in decided}
     theirs = {key: value for key, (_, value) in decided.items()}
     return [(key, hf_key, value, ours[key]) for key, (hf_key, value) in decided.items()
             if (keys is None or key in keys)

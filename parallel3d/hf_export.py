@@ -172,7 +172,7 @@ def generation_config(out_dir: Path, ids: dict[str, int | None]) -> dict:
     tok = load_tokenizer(str(out_dir))
     template = chat_template(out_dir)
     ends = [ids["eos"]] + [i for token in END_OF_TURN if token in template
-                           for i in [tok._tok.token_to_id(token)] if i is not None and i != ids["eos"]]
+                           for i in [tok.token_id(token)] if i is not None and i != ids["eos"]]
     return {"bos_token_id": ids["bos"], "eos_token_id": ends[0] if len(ends) == 1 else ends,
             "pad_token_id": ids["pad"] if ids["pad"] is not None else ids["eos"], "do_sample": False}
 

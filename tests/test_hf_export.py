@@ -111,3 +111,22 @@ def test_convert_hf_export_equals_the_saved_folder(trained, tmp_path):
             assert json.loads(path.read_text()) == json.loads((out / path.name).read_text()), path.name
         else:
             assert path.read_bytes() == (out / path.name).read_bytes(), path.name
+
+
+def test_tokenizer_files_out(tmp_path):
+    """A folder whose template ends turns with another token than eos stops generation at both; a
+    bare tokenizer.json gets a tokenizer_config.json that AutoTokenizer reads with its eos."""
+    from hf_files import tiny_tokenizer
+    from parallel3d.hf_export import generation_config, token_ids, write_tokenizer
+
+    source = tiny_tokenizer(tmp_path / "base", eos="<|endoftext|>")  # Qwen3 base: eos <|endoftext|>
+    for name, spec in {"folder": source, "bare": source / "tokenizer.json"}.items():
+        (tmp_path / name).mkdir()
+        write_tokenizer(tmp_path / name, str(spec), model_max_length=64)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "folder")
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    assert generation_config(tmp_path / "folder", token_ids(tmp_path / "folder"))["eos_token_id"] == ids
+    bare = transformers.AutoTokenizer.from_pretrained(tmp_path / "bare")
+    assert (bare.eos_token, bare.eos_token_id, bare.model_max_length) == ("<|endoftext|>", ids[0], 64)
+    assert bare.encode(TEXT[0], add_special_tokens=False) == tokenizer.encode(TEXT[0], add_special_tokens=False)
+    assert generation_config(tmp_path / "bare", token_ids(tmp_path / "bare"))["eos_token_id"] == ids[0]  # no template

@@ -113,6 +113,9 @@ class HFTokenizer:
     def token(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id)
 
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
 
 def tokenizer_hash(spec: str) -> str:
     """What identifies a tokenizer: ``byte``, or the SHA-256 of its tokenizer.json (a file moved
