@@ -287,8 +287,8 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
             print(f"parallel3d: resumed from {path} (saved at {meta['layout']})", flush=True)
             if step == c.train.steps:
                 print(f"parallel3d: {path.name} is at train.steps={step}: the run is complete, nothing to train "
-                      f"(raise train.steps to continue it; to evaluate it: parallel3d-evaluate {path} eval.sources=[...])",
-                      flush=True)
+                      f"(raise train.steps to continue it; to evaluate it: parallel3d-evaluate {path} "
+                      f"eval.sources=[...])", flush=True)
         if meta["model_only"]:  # a seed checkpoint: its weights, then a fresh start
             return 0, 0
         guard.load_state_dict(meta.get("guard", {}))

@@ -131,3 +131,13 @@ def test_evaluate_a_checkpoint_at_dp2(documents_reference):
     assert relative_error([line["val_loss"]], [logged]) <= 1e-5
     assert f"val_loss {line['val_loss']:.6f}" in proc.stdout and str(out) in proc.stdout
     assert (run_dir / "metrics.jsonl").read_text() == rows_before
+
+
+def test_evaluate_says_when_there_is_nothing_to_evaluate_on(documents_reference, capsys):
+    from parallel3d.cli import evaluate
+
+    step_5 = documents_reference.run_dir / "checkpoints" / "step_5"
+    assert evaluate.main([str(step_5), "eval.sources=[]"]) == 2
+    assert "eval.sources=[]: nothing to evaluate on" in capsys.readouterr().err
+    assert evaluate.main([str(step_5), "no_such_key=1"]) == 2
+    assert "not a valid override" in capsys.readouterr().err

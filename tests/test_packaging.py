@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = ("parallel3d-prepare-data", "parallel3d-convert-hf", "parallel3d-plan", "parallel3d-dry-run",
-           "parallel3d-plot", "parallel3d-report")
+           "parallel3d-plot", "parallel3d-report", "parallel3d-generate", "parallel3d-evaluate")
 
 
 @dataclass

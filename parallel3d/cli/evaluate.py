@@ -67,14 +67,14 @@ def evaluate_checkpoint(step_dir: Path, overrides: list[str]) -> dict:
     world_size = world_size_from_env()
     cfg = check(evaluation_config(step_dir, overrides), world_size)
     c: Config = OmegaConf.to_object(cfg)
+    if not c.eval.sources and not (c.eval.fraction > 0 and c.data.sources):
+        raise ConfigError("eval.sources", "[]", "nothing to evaluate on (and no eval.fraction of data.sources)",
+                          "set eval.sources=[FILES] or eval.fraction with the run's data.sources")
     device = init_distributed(c.train, world_size)
     setup = build_setup(c, device)
     meta = Checkpointer(Path(c.run_dir), c.checkpoint).load(step_dir, TrainState(setup.parts))
     workers = Workers(rank(), world_size, dist.barrier if dist.is_initialized() else None)
     held_out = open_eval_corpus(c.data, c.eval, workers)
-    if held_out is None:
-        raise ConfigError("eval.sources", "[]", "nothing to evaluate on",
-                          "set eval.sources=[FILES] or eval.fraction (of the run's data.sources)")
     check_heldout(held_out, seq_len=c.train.seq_len, global_batch_size=c.train.global_batch_size, eval_cfg=c.eval)
     start = time.perf_counter()
     result = Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps).evaluate(setup)

@@ -30,7 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="parallel3d-generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a run_dir, a checkpoints/ folder or a step_<N> folder")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the text to continue")
