@@ -48,8 +48,9 @@ When the code communicates (see ``parallel/data.py`` and torch's pipelining stag
   the ranks swap their counts per expert (int64, all-to-all); the aux loss sums each sequence's
   expert counts over cp x tp (b·experts float32, an all-reduce per MoE block forward).
 * Muon (``optim.name=muon``), once per optimizer step: each block matrix that FSDP or tp splits
-  is all-gathered in bfloat16 to be orthogonalised whole, over the data-parallel shards and then
-  over tp; stacked experts are split along the expert dim only and need nothing.
+  is all-gathered in bfloat16 to be orthogonalised whole, over tp (the pieces of the FSDP shard)
+  and then over the data-parallel shards; stacked experts are split along the expert dim only
+  and need nothing.
 """
 
 from __future__ import annotations
@@ -127,18 +128,22 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
 
 def _muon_gathers(out: dict, model: ModelShape, stages: list[Stage], layout: Layout) -> None:
     """Muon's step gathers each block matrix that data or tensor parallelism splits, in bfloat16
-    (``parallel3d.muon``): the data-parallel shards of the tp-local matrix, then the tp pieces.
-    Stacked experts are split along the expert dim only (whole matrices on every rank): none."""
+    (``parallel3d.muon``), in the order DTensor's redistribution takes: a row-parallel matrix
+    (tp splits dim 1) gathers its tp pieces first, then the data-parallel shards of the whole; a
+    column-parallel one (FSDP and tp both split dim 0) the data-parallel shards of its tp piece
+    first, then the tp pieces. Stacked experts are split along the expert dim only (whole
+    matrices on every rank): none."""
     n, group = layout.shards, data_parallel_group(layout)
     for stage in stages:
         for spec, count in stage.counted_params(model):
             if not spec.muon or spec.expert:
                 continue
             shape = tp_local_shape(spec, layout.tp)
-            padded = -(-shape[0] // n) * n * math.prod(shape[1:])
-            out[group]["all_gather"] += count * ring("all_gather", padded * NS_BYTES, n)
-            if spec.tp_dim is not None:
-                out["tp"]["all_gather"] += count * ring("all_gather", spec.numel * NS_BYTES, layout.tp)
+            local = -(-shape[0] // n) * math.prod(shape[1:]) * NS_BYTES  # this rank's shard (FSDP pads dim 0)
+            tp = layout.tp if spec.tp_dim is not None else 1
+            dp_first = spec.tp_dim == 0
+            out[group]["all_gather"] += count * ring("all_gather", local * n * (1 if dp_first else tp), n)
+            out["tp"]["all_gather"] += count * ring("all_gather", local * tp * (n if dp_first else 1), tp)
 
 
 def data_parallel_group(layout: Layout) -> str:
