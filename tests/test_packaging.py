@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ("parallel3d-prepare-data", "parallel3d-convert-hf", "parallel3d-plan", "parallel3d-dry-run",
-           "parallel3d-plot", "parallel3d-report")
 
 
 @dataclass
@@ -75,8 +73,8 @@ def test_a_wheel_trains_from_another_directory_and_exports_the_checkpoint(instal
 
 
 def test_every_console_script_runs_from_another_directory(installed):
-    for script in SCRIPTS:
-        assert "usage:" in installed.run(script, "--help").stdout, script
+    """Each script does real work (parallel3d-convert-hf in the test above); no --help rounds: each
+    start of a script costs seconds of imports."""
     here = installed.elsewhere
     plan = installed.run("parallel3d-plan", "recipe=tiny_cpu", "--world-size", "2")
     assert "bubble" in plan.stdout
