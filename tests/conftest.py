@@ -182,6 +182,28 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the others keep their order
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``P3D_TEST_CPU_LOG=FILE``: append each test's CPU seconds (its own process and the torchrun
+    jobs it waited for, module fixtures included where they first ran) as a JSON line. Unlike wall
+    time it hardly changes with the machine's load: it is what the suite's budget is made of."""
+    log = os.environ.get("P3D_TEST_CPU_LOG")
+    if not log:
+        return (yield)
+    import resource
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    start = cpu()
+    try:
+        return (yield)
+    finally:
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "cpu_s": round(cpu() - start, 2)}) + "\n")
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto``: a worker per core, at most 4 (a worker's jobs start up to 8 ranks each)."""
     return max(1, min(len(os.sched_getaffinity(0)), 4))

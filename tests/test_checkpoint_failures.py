@@ -225,9 +225,8 @@ def test_an_error_every_rank_raised_is_printed_once(tmp_path, capsys):
 
 # case: (ranks, overrides). A checkpoint of this model is ~11 MB at any rank count: the 16 MB disk
 # takes step_2, and step_4 fills it.
+# Two ranks only: they also show the ranks agreeing on the failure, and the saved run is their reference.
 FULL_DISK = {
-    "sync-1": (1, []),
-    "async-1": (1, ["checkpoint.async_save=true"]),
     "sync-2": (2, ["parallel.dp_shard=2"]),
     "async-2": (2, ["parallel.dp_shard=2", "checkpoint.async_save=true"]),
 }
@@ -242,7 +241,7 @@ def _mount(folder: Path, size: str, remount: bool = False) -> subprocess.Complet
 @pytest.fixture(scope="module")
 def full_disks(runs_root, saved):
     """Each case trains on a 16 MB tmpfs until step_4's save fills it, then (the disk grown to 64 MB,
-    space freed) resumes; a 1-rank run with space to spare is the 1-rank reference."""
+    space freed) resumes; the saved run, which had space to spare, is the reference."""
     roots = {name: runs_root / f"disk-{name}" for name in FULL_DISK}
     mounted = []
     try:
@@ -257,13 +256,8 @@ def full_disks(runs_root, saved):
             roots[name] / "checkpoints/step_2")) for name in FULL_DISK}
         for root in roots.values():
             assert _mount(root, "64M", remount=True).returncode == 0
-        resumed = {}
-        for nproc in (1, 2):
-            cases = {name: [*DISK, *o] for name, (n, o) in FULL_DISK.items() if n == nproc}
-            resumed |= launch_batch(runs_root, {f"disk-{name}": o for name, o in cases.items()}, nproc)
-        reference = {1: launch(runs_root / "disk-reference", DISK), 2: saved}
-        yield {name: (failed[name], after[name], resumed.get(f"disk-{name}"), reference[FULL_DISK[name][0]])
-               for name in FULL_DISK}
+        resumed = launch_batch(runs_root, {f"disk-{name}": [*DISK, *o] for name, (_, o) in FULL_DISK.items()}, 2)
+        yield {name: (failed[name], after[name], resumed.get(f"disk-{name}"), saved) for name in FULL_DISK}
     finally:
         for root in mounted:
             subprocess.run(["umount", str(root)], capture_output=True)

@@ -294,23 +294,24 @@ def _bpe_corpus(root) -> list[str]:
 
 @pytest.mark.multirank
 def test_grad_norms_agree_across_layouts_at_adamw_default_eps(tmp_path):
-    """One process, dp2 ZeRO-3 and dp2 x tp2 on a BPE corpus at AdamW's default eps=1e-8.
+    """One process, dp4 ZeRO-3 and dp2 x tp2 (one 4-rank launch) on a BPE corpus at AdamW's default eps=1e-8.
 
     The first step's gradients differ only by the order of float32 reductions, so its norms must
     agree to what float64 summing leaves (float32 summing put them 7e-8 apart). Over 10 steps the
-    losses agree to 1e-6, and so do dp2 ZeRO-3's norms. dp2 x tp2's norms are held to the suite's
+    losses agree to 1e-6, and so do ZeRO-3's norms. dp2 x tp2's norms are held to the suite's
     1e-5: tensor parallelism reorders the matmuls' sums, and at eps=1e-8 AdamW moves elements whose
     gradient is round-off by up to lr, in a direction the round-off picks (measured: a few weights
     1e-5 apart after 10 steps, norms 2.3e-6 apart, in float64 as in float32)."""
-    from conftest import FAST, launch, relative_error
+    from conftest import FAST, launch, launch_batch, relative_error
 
     overrides = [*FAST, *_bpe_corpus(tmp_path), "optim.eps=1e-8"]
     single = launch(tmp_path / "single", [*overrides, "train.micro_batch_size=16"])
     single.assert_finished(10)
-    layouts = {"dp2-zero3": (2, ["parallel.zero_stage=3", "train.micro_batch_size=8"], 1e-6),
-               "dp2-tp2": (4, ["parallel.tp=2", "train.micro_batch_size=8"], 1e-5)}
-    for name, (nproc, layout, norm_tolerance) in layouts.items():
-        run = launch(tmp_path / name, [*overrides, *layout], nproc=nproc)
+    layouts = {"dp4-zero3": (["parallel.zero_stage=3", "train.micro_batch_size=4"], 1e-6),
+               "dp2-tp2": (["parallel.tp=2", "train.micro_batch_size=8"], 1e-5)}
+    runs = launch_batch(tmp_path, {name: [*overrides, *layout] for name, (layout, _) in layouts.items()}, nproc=4)
+    for name, (layout, norm_tolerance) in layouts.items():  # one the batch did not finish runs on its own
+        run = runs[name] if name in runs else launch(tmp_path / name, [*overrides, *layout], nproc=4)
         run.assert_finished(10)
         norms, reference = [r["grad_norm"] for r in run.metrics], [r["grad_norm"] for r in single.metrics]
         assert relative_error(norms[:1], reference[:1]) <= 2e-8, (name, norms[0], reference[0])
