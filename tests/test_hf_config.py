@@ -17,6 +17,7 @@ from parallel3d.checkpoint import Checkpointer, TrainState
 from parallel3d.config import CheckpointConfig, ModelConfig, compose, user_set_keys
 from parallel3d.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_hash
 from parallel3d.models import Transformer
+from parallel3d.planner import predict
 from omegaconf import OmegaConf
 
 transformers = pytest.importorskip("transformers")
@@ -57,6 +58,8 @@ def test_the_folder_alone_defines_model_and_tokenizer(folders, family):
     batch = token_batch(320)
     with torch.no_grad():
         torch.testing.assert_close(built(cfg)(batch), theirs(batch).logits, rtol=1e-5, atol=1e-5)
+    planned = predict(cfg, 1).model_state_bytes["param_bytes"]  # the planner sees the folder's model too
+    assert planned == 4 * sum(p.numel() for p in theirs.parameters())
 
 
 def test_a_set_key_that_disagrees_is_refused_naming_both_values(folders, tmp_path, monkeypatch):
