@@ -402,7 +402,7 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_full_model(parts: list[nn.Module], pp_mesh, path: Path, is_rank0: bool) -> None:
+def save_full_model(parts: list[nn.Module], pp_mesh, path: Path, is_rank0: bool) -> dict[str, torch.Tensor]:
     """Gather the full weights of every stage onto rank 0 and write one safetensors file.
 
     For small models and tests (the whole model sits in rank 0's CPU memory); large models are
@@ -421,3 +421,4 @@ def save_full_model(parts: list[nn.Module], pp_mesh, path: Path, is_rank0: bool)
         full = {k: v for s in stage_states for k, v in s.items()}
     if is_rank0:
         save_file({k: v.contiguous() for k, v in full.items()}, str(path))
+    return full  # the whole model on rank 0 (and, under pp, on each rank of its pp group)

@@ -33,6 +33,7 @@ from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.distributed import init_distributed, report_hangs_in
 from parallel3d.evaluate import Evaluator
 from parallel3d.guard import BadStepGuard, TrainingDiverged
+from parallel3d.lora_hf import split_adapters, write_adapter
 from parallel3d.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, log_path, report_failure,
                                  warnings_to_log)
 from parallel3d.mesh import ParallelDims
@@ -102,7 +103,9 @@ def train(cfg: DictConfig) -> Path:
         print_banner(c, setup, world_size, run_dir)
     loop.run(start_step)
     if c.train.save_model:
-        save_full_model(setup.parts, setup.meshes.pp, run_dir / "model.safetensors", is_rank0)
+        full = save_full_model(setup.parts, setup.meshes.pp, run_dir / "model.safetensors", is_rank0)
+        if is_rank0 and c.model.lora.rank:  # the adapters in PEFT's format (lora_hf.merged_state: merged weights)
+            write_adapter(run_dir / "hf_adapter", split_adapters(full)[1], c.model, c.checkpoint.init_from or None)
     return run_dir
 
 

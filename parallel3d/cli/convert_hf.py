@@ -9,6 +9,8 @@ CHECKPOINT is a ``step_<N>`` folder, or a run_dir or its checkpoints/ folder (th
 complete checkpoint). OUT_DIR gets ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
 with ``model.safetensors.index.json`` when the weights exceed --max-shard-size, then
 ``config.json``, and ``tokenizer.json`` when the run trained with one. Optimizer state is left out.
+A LoRA run's adapters are merged into the weights (W + alpha/rank B A); ``--adapter-dir DIR`` also
+writes them in PEFT's format (parallel3d/lora_hf.py).
 transformers loads the folder as it is:
 
     LlamaForCausalLM.from_pretrained(OUT_DIR)
@@ -42,6 +44,8 @@ from parallel3d import hf
 from parallel3d.checkpoint import find_checkpoint
 from parallel3d.resume import checkpoint_problem
 from parallel3d.config import ModelConfig
+from parallel3d.lora import is_adapter
+from parallel3d.lora_hf import adapted, merge_adapters, write_adapter
 from parallel3d.models import Transformer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -88,6 +92,23 @@ def renamed_keys(names: list[str], shapes: dict[str, torch.Size], cfg: ModelConf
     return [key for name in names for key in hf.hf_tensors(name, torch.empty(shapes[name], device="meta"), cfg)]
 
 
+def stored_adapters(step_dir: Path) -> dict[str, torch.Size]:
+    """The LoRA adapters a checkpoint holds, with their full shapes (none without LoRA)."""
+    stored = HuggingFaceStorageReader(str(step_dir)).read_metadata().state_dict_metadata
+    return {name: meta.size for name, meta in stored.items() if is_adapter(name)}
+
+
+def adapter_shapes(adapters: dict[str, torch.Size], weights: list[str]) -> dict[str, torch.Size]:
+    """The adapters of these weights, with their shapes."""
+    return {name: adapters[name] for pair in adapted(weights, adapters).values() for name in pair}
+
+
+def cfg_base_model(step_dir: Path) -> str | None:
+    """The Hugging Face folder the run started from (PEFT's base_model_name_or_path), if it did."""
+    init_from = OmegaConf.load(step_dir / "config.yaml").checkpoint.init_from
+    return str(Path(init_from).expanduser().resolve()) if init_from else None
+
+
 def plan_files(shapes: dict[str, torch.Size], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
     """Consecutive parameters per output file, each file at most max_bytes (a larger tensor alone)."""
     files, size = [[]], 0
@@ -129,8 +150,9 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def export(checkpoint: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-           max_shard_bytes: int = 5 * 10**9) -> Path:
-    """Write the Hugging Face folder; returns the checkpoint it exported."""
+           max_shard_bytes: int = 5 * 10**9, adapter_dir: Path | None = None) -> Path:
+    """Write the Hugging Face folder (a LoRA run's adapters merged into it, and with ``adapter_dir``
+    also written there in PEFT's format); returns the checkpoint it exported."""
     step_dir = find_checkpoint(checkpoint)
     if step_dir is None:
         raise FileNotFoundError(f"{checkpoint}: no complete checkpoint (a step_<N> folder with COMPLETE) there")
@@ -144,11 +166,19 @@ def export(checkpoint: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
     cfg = model_config(step_dir)
     hf.check_exportable(cfg)
     shapes = parameter_shapes(step_dir, cfg)
+    adapters = stored_adapters(step_dir)
+    if adapter_dir is not None and not adapters:
+        raise ValueError(f"{step_dir} has no LoRA adapters (model.lora.rank=0): leave out --adapter-dir")
+    if adapter_dir is not None:
+        write_adapter(adapter_dir, load_tensors(step_dir, adapters, torch.float32), cfg, cfg_base_model(step_dir))
     files = plan_files(shapes, dtype, max_shard_bytes)
     weight_map = {}
     for i, names in enumerate(files, start=1):
         filename = "model.safetensors" if len(files) == 1 else f"model-{i:05d}-of-{len(files):05d}.safetensors"
-        tensors = load_tensors(step_dir, {name: shapes[name] for name in names}, dtype)
+        tensors = load_tensors(step_dir, {name: shapes[name] for name in names}, torch.float32 if adapters else dtype)
+        if adapters:  # W + alpha/rank B A, formed in float32
+            tensors = merge_adapters(tensors, load_tensors(step_dir, adapter_shapes(adapters, names), torch.float32),
+                                     cfg.lora, dtype)
         # Renamed; stacked experts as one tensor per expert (copies of one row each, for the file).
         renamed = {key: t.contiguous() for name, full in tensors.items()
                    for key, t in hf.hf_tensors(name, full, cfg).items()}
@@ -184,9 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the written weights")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB",
                    help="largest output file, e.g. 5GB (default), 500MB, 2GiB")
+    p.add_argument("--adapter-dir", type=Path, default=None,
+                   help="a LoRA run: also write its adapters there in PEFT's format (OUT_DIR gets them merged)")
     args = parser.parse_args(argv)
     try:
-        step_dir = export(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.max_shard_size)
+        step_dir = export(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.max_shard_size, args.adapter_dir)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"convert_hf: {e}", file=sys.stderr)
         return 1
