@@ -72,6 +72,7 @@ def test_refusals(overrides, key):
         check(compose([*LORA, *overrides]), 2 if "parallel.tp=2" in overrides else 1)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_layouts_equal_one_process(request, parity, lora_reference, layout):
     """Losses, grad norms and final weights (adapters included) of each layout equal one process's;
@@ -80,6 +81,7 @@ def test_layouts_equal_one_process(request, parity, lora_reference, layout):
     assert_matches(lora_reference, parity.train(layout, prefix="lora-", extra=LORA), rel=1e-5, weights=True)
 
 
+@pytest.mark.multirank
 def test_exports(parity, lora_reference, tmp_path):
     """The dp2 x tp2 run's checkpoint exports W + alpha/r B A (read whole from tp and dp shards);
     its PEFT adapter (from train.save_model and export --adapter-dir alike) loaded by peft onto the
