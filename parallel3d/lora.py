@@ -2,7 +2,7 @@
 
 A targeted projection ``y = W x`` computes ``y = W x + (alpha / rank) * B A dropout(x)``, A of shape
 (rank, in) and B of shape (out, rank); only the adapters train. B starts at zero, so training starts
-from the base model exactly; A draws from (seed, its name) like every other weight
+from the base model exactly; A draws (normal, PEFT's default scale) from (seed, its name) like every other weight
 (``models.llama.init_weights``), so its values do not depend on the layout. The adapters are
 parameters of the projection they adapt (``layers.3.attention.wq.lora_a``): checkpoints save and
 reshard them with the rest, and the base weight keeps its name.
@@ -29,6 +29,8 @@ masks) and with activation checkpointing (the recomputation would draw others).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,9 +56,10 @@ def is_adapter(name: str) -> bool:
     return name.endswith((f".{A}", f".{B}"))
 
 
-def adapter_std(name: str, lora: LoRAConfig) -> float:
-    """Initial std: 0 for B (the adapted model starts as the base), 1 / rank for A (PEFT's gaussian)."""
-    return 0.0 if name.endswith(f".{B}") else 1.0 / lora.rank
+def adapter_std(name: str, shape: tuple[int, ...]) -> float:
+    """Initial std: 0 for B (the adapted model starts as the base); for A (rank x in) that of PEFT's
+    default, Kaiming-uniform with a=sqrt(5), which is uniform in +-1/sqrt(in): 1/sqrt(3 in)."""
+    return 0.0 if name.endswith(f".{B}") else 1.0 / math.sqrt(3 * shape[1])
 
 
 def check_lora(m, p, t) -> None:

@@ -178,7 +178,7 @@ class Transformer(nn.Module):
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             if is_adapter(name):  # LoRA's A and B (parallel3d/lora.py)
-                std = adapter_std(name, self.cfg.lora)
+                std = adapter_std(name, param.shape)
             elif "norm" in name:
                 std = None
             elif name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
