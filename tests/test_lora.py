@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_matches, layouts, prefetch_selected
+from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from parallel3d import hf
 from parallel3d.base import ConfigError
 from parallel3d.config import LoRAConfig, ModelConfig, OptimConfig, compose
@@ -19,11 +19,12 @@ from parallel3d.validate import check
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]  # scale alpha / rank = 2
 # One 4-rank launch: tp splits the adapters (column: B, row: A), ZeRO-3 with cp shards frozen and
-# trainable parameters in one FSDP unit, pp stages hold their blocks' adapters.
+# trainable parameters in one FSDP unit, pp stages hold their blocks' adapters (a zero-bubble
+# schedule: its split weight backward meets the frozen base).
 LAYOUTS = layouts({
-    "dp2_tp2": (4, ["parallel.dp_shard=2", "parallel.tp=2", "checkpoint.every=10"]),
+    "dp2_tp2": (4, ["parallel.dp_shard=2", "parallel.tp=2", "checkpoint.every=5"]),
     "dp2_cp2_zero3": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=3"]),
-    "dp2_pp2": (4, ["parallel.dp_shard=2", "parallel.pp=2"]),
+    "dp2_pp2_zbv": (4, ["parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"]),
 })
 
 
@@ -79,6 +80,20 @@ def test_layouts_equal_one_process(request, parity, lora_reference, layout):
     ``parity.run`` also holds each run's measured model-state bytes to the planner's."""
     prefetch_selected(request, parity, LAYOUTS, prefix="lora-", extra=LORA)
     assert_matches(lora_reference, parity.train(layout, prefix="lora-", extra=LORA), rel=1e-5, weights=True)
+
+
+@pytest.mark.multirank
+def test_resume_at_another_layout(parity, lora_reference):
+    """dp2 x tp2's step-5 checkpoint (adapters and their optimizer state split over dp and tp)
+    resumed by one process continues as the one-process run did."""
+    run = parity.train(LAYOUTS[0], prefix="lora-", extra=LORA)
+    step_5 = run.run_dir / "checkpoints" / "step_5"
+    resumed = parity.run("lora-resumed", 1, [*LORA, "train.micro_batch_size=16", f"checkpoint.resume={step_5}"])
+    assert [row["step"] for row in resumed.metrics] == list(range(6, 11))
+    rows = [row for row in lora_reference.metrics if row["step"] > 5]
+    for key in ("loss", "grad_norm"):
+        assert relative_error([r[key] for r in resumed.metrics], [r[key] for r in rows]) < 1e-5, key
+    assert_matches(lora_reference, resumed, metrics=(), weights=True)
 
 
 @pytest.mark.multirank
