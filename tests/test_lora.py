@@ -113,8 +113,8 @@ def test_exports(parity, lora_reference, tmp_path):
     for name, weight in state.items():
         if is_adapter(name):
             continue
-        module = name.removesuffix(".weight")
-        want = weight + 2 * state[f"{module}.lora_b"] @ state[f"{module}.lora_a"] if f"{module}.lora_a" in state else weight
+        a, b = (state.get(name.removesuffix(".weight") + suffix) for suffix in (".lora_a", ".lora_b"))
+        want = weight if a is None else weight + 2 * b @ a
         torch.testing.assert_close(merged[hf.to_hf(name, cfg)], want, rtol=1e-6, atol=1e-6)
     assert load_file(str(run.run_dir / "hf_adapter" / "adapter_model.safetensors")).keys() == \
         load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")).keys()
