@@ -45,6 +45,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from parallel3d import hf, hf_config
 from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.config import CheckpointConfig
+from parallel3d.lora import is_adapter
 from parallel3d.manifest import file_entries, verify_manifest, write_manifest
 from parallel3d.optim import init_optimizer_state, set_schedule_step
 from parallel3d.progress import Progress
@@ -107,9 +108,9 @@ def _model_targets(state: TrainState, keys=lambda name, param: {name: param}) ->
 def _optimizer_entries(state: TrainState):
     """(key, state tensor) for each tensor of the optimizer state, keyed by its parameter's name
     (found by identity: the optimizer's groups, decay and no decay, order parameters otherwise)."""
-    name_of = {id(p): name for name, p in state.named_parameters()}
+    name_of = {id(p): name for name, p in state.named_parameters() if p.requires_grad}  # LoRA's base is frozen
     optimizer_params = [q for group in state.optimizer.param_groups for q in group["params"]]
-    assert len(optimizer_params) == len(name_of), "the optimizer must hold exactly the parts' parameters"
+    assert len(optimizer_params) == len(name_of), "the optimizer must hold exactly the parts' trainable parameters"
     for q in optimizer_params:
         name = name_of[id(q)]
         for key, value in state.optimizer.state.get(q, {}).items():
@@ -332,6 +333,8 @@ class Checkpointer:
                 raise FileNotFoundError(f"checkpoint.init_from={path}: neither a checkpoint nor a Hugging Face folder")
             path = found
             targets, copies = _model_targets(state)
+        # LoRA adapters start as LoRA does (B = 0) on whatever base is loaded: init_from gives the base.
+        targets = {key: t for key, t in targets.items() if not is_adapter(key)}
         with checkpoint_errors(path, saving=False, every_rank=True):
             dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
                      no_dist=self.group is None)

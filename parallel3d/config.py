@@ -57,6 +57,18 @@ class MoEConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on a frozen base (parallel3d/lora.py, docs/finetune.md, LoRA)."""
+
+    rank: int = 0  # 0: off (every parameter trains)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input (training only)
+    # Projections that get adapters: wq wk wv wo (attention), w1 w2 w3 (SwiGLU, shared experts
+    # included), or Hugging Face's q_proj k_proj v_proj o_proj gate_proj down_proj up_proj.
+    targets: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"])
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     dim: int = 128
@@ -73,6 +85,7 @@ class ModelConfig:
     head_dim: int = 0  # channels per attention head; 0: dim // n_heads (Qwen3 sets 128 explicitly)
     qk_norm: bool = False  # Qwen3: RMSNorm of each query and key head before RoPE
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     init_std: float = 0.02
     activation_checkpoint: str = "none"  # none | full | selective (every Nth block) | op (save matmuls)
     activation_checkpoint_every: int = 2

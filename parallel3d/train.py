@@ -35,6 +35,8 @@ from parallel3d.evaluate import Evaluator
 from parallel3d.guard import BadStepGuard, TrainingDiverged
 from parallel3d.hf_config import apply_hf_folder, describe
 from parallel3d.hf_export import save_run_model
+from parallel3d.lora import apply_lora
+from parallel3d.lora_hf import merged_state, split_adapters, write_adapter
 from parallel3d.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, log_path, report_failure,
                                  warnings_to_log)
 from parallel3d.mesh import ParallelDims
@@ -107,6 +109,9 @@ def train(cfg: DictConfig) -> Path:
     loop.run(start_step)
     if c.train.save_model:
         state = full_model_state(setup.parts, setup.meshes.pp)  # a collective: every rank
+        if is_rank0 and c.model.lora.rank:  # the adapters in PEFT's format, and merged into the weights
+            write_adapter(run_dir / "hf_adapter", split_adapters(state)[1], c.model, c.checkpoint.init_from or None)
+            state = merged_state(state, c.model.lora)
         if is_rank0:
             print(save_run_model(run_dir, state, model_cfg=c.model, tokenizer=c.data.tokenizer), flush=True)
     return run_dir
@@ -122,6 +127,20 @@ def save_seed(checkpointer: Checkpointer, setup: Setup, config_yaml: str, is_ran
 
 def print_banner(c: Config, setup: Setup, world_size: int, run_dir: Path) -> None:
     print(banner(c, setup.dims, setup.device.type, world_size, run_dir), flush=True)
+    if c.model.lora.rank:
+        print(lora_line(c.model), flush=True)
+
+
+def lora_line(m) -> str:
+    """What LoRA trains: the adapters' parameters against the whole model's."""
+    with torch.device("meta"):
+        model = Transformer(m)
+    apply_lora(model, m.lora)
+    trainable, total = (sum(p.numel() for p in model.parameters() if p.requires_grad or not only)
+                        for only in (True, False))
+    return (f"parallel3d: LoRA rank {m.lora.rank} alpha {m.lora.alpha:g} on {' '.join(m.lora.targets)}: "
+            f"{trainable / 1e6:.2f}M trainable parameters ({100 * trainable / total:.2f}% of {total / 1e6:.2f}M), "
+            f"the rest frozen")
 
 
 def banner(c: Config, dims: ParallelDims, device_type: str, world_size: int, run_dir: Path) -> str:

@@ -26,6 +26,7 @@ from parallel3d.muon import OPTIMIZERS, check_muon_config
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
 from parallel3d.guard import check_bad_step_config
+from parallel3d.lora import check_lora
 from parallel3d.optim import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
 from parallel3d.optim import LR_SCHEDULES
 from parallel3d.parallel.activation import AC_MODES
@@ -77,6 +78,7 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_degrees(cfg.parallel, world_size)
     _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
     check_experts(cfg.model, cfg.parallel)
+    check_lora(cfg.model, cfg.parallel, cfg.train)
     _check_data_parallel(cfg.parallel, cfg.train, device)
     check_float8(cfg.train, cfg.parallel)
     _check_batch(cfg.train, cfg.parallel, cfg.model)

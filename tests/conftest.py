@@ -130,11 +130,13 @@ def layouts(table: dict[str, tuple]) -> list[Layout]:
 
 
 def final_weights(run_dir: Path) -> dict:
-    """What ``train.save_model=true`` wrote: the Hugging Face folder run_dir/hf/ (Hugging Face names),
-    or, for a model no Hugging Face family has, run_dir/model.safetensors (our names)."""
+    """What ``train.save_model=true`` wrote: the Hugging Face folder run_dir/hf/ (Hugging Face names)
+    and a LoRA run's adapters (run_dir/hf_adapter/), or, for a model no Hugging Face family has,
+    run_dir/model.safetensors (our names)."""
     from safetensors.torch import load_file
 
     files = sorted((run_dir / "hf").glob("*.safetensors")) or [run_dir / "model.safetensors"]
+    files += sorted((run_dir / "hf_adapter").glob("*.safetensors"))
     return {key: tensor for path in files for key, tensor in load_file(str(path)).items()}
 
 

@@ -9,7 +9,9 @@ CHECKPOINT is a ``step_<N>`` folder, or a run_dir or its checkpoints/ folder (th
 complete checkpoint). OUT_DIR gets ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
 with ``model.safetensors.index.json`` when the weights exceed --max-shard-size, the run's tokenizer
 files (byte tokens: an equivalent tokenizer.json), generation_config.json and config.json with the
-special token ids. Optimizer state is left out. transformers loads the folder as it is:
+special token ids. Optimizer state is left out. A LoRA run's adapters are merged into the weights
+(W + alpha/rank B A); ``--adapter-dir DIR`` also writes them in PEFT's format (parallel3d/lora_hf.py).
+transformers loads the folder as it is:
 
     AutoModelForCausalLM.from_pretrained(OUT_DIR); AutoTokenizer.from_pretrained(OUT_DIR)
 
@@ -39,6 +41,8 @@ from parallel3d.hf_export import INDEX, plan_files, refuse_used, write_hf_folder
 from parallel3d.checkpoint import find_checkpoint
 from parallel3d.resume import checkpoint_problem
 from parallel3d.config import ModelConfig
+from parallel3d.lora import is_adapter
+from parallel3d.lora_hf import adapted, merge_adapters, write_adapter
 from parallel3d.models import Transformer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -77,6 +81,34 @@ def parameter_shapes(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Size]:
     return {name: stored[name].size for name in names}
 
 
+def stored_adapters(step_dir: Path) -> dict[str, torch.Size]:
+    """The LoRA adapters a checkpoint holds, with their full shapes (none without LoRA)."""
+    stored = HuggingFaceStorageReader(str(step_dir)).read_metadata().state_dict_metadata
+    return {name: meta.size for name, meta in stored.items() if is_adapter(name)}
+
+
+def adapter_shapes(adapters: dict[str, torch.Size], weights: list[str]) -> dict[str, torch.Size]:
+    """The adapters of these weights, with their shapes."""
+    return {name: adapters[name] for pair in adapted(weights, adapters).values() for name in pair}
+
+
+def cfg_base_model(step_dir: Path) -> str | None:
+    """The Hugging Face folder the run started from (PEFT's base_model_name_or_path), if it did."""
+    init_from = OmegaConf.load(step_dir / "config.yaml").checkpoint.init_from
+    return str(Path(init_from).expanduser().resolve()) if init_from else None
+
+
+def merged_loader(step_dir: Path, cfg: ModelConfig, dtype: torch.dtype, adapters: dict[str, torch.Size]):
+    """``load(shapes)`` for write_hf_folder: the weights, with a LoRA run's W + alpha/rank B A formed in float32."""
+    def load(shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+        if not adapters:
+            return load_tensors(step_dir, shapes, dtype)
+        weights = load_tensors(step_dir, shapes, torch.float32)
+        return merge_adapters(weights, load_tensors(step_dir, adapter_shapes(adapters, list(shapes)), torch.float32),
+                              cfg.lora, dtype)
+    return load
+
+
 def load_tensors(step_dir: Path, shapes: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """These parameters in full, assembled by DCP from every rank's shards and cast to dtype on read."""
     tensors = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
@@ -85,8 +117,9 @@ def load_tensors(step_dir: Path, shapes: dict[str, torch.Size], dtype: torch.dty
 
 
 def export(checkpoint: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-           max_shard_bytes: int = 5 * 10**9) -> Path:
-    """Write the Hugging Face folder; returns the checkpoint it exported."""
+           max_shard_bytes: int = 5 * 10**9, adapter_dir: Path | None = None) -> Path:
+    """Write the Hugging Face folder (a LoRA run's adapters merged into it, and with ``adapter_dir``
+    also written there in PEFT's format); returns the checkpoint it exported."""
     step_dir = find_checkpoint(checkpoint)
     if step_dir is None:
         raise FileNotFoundError(f"{checkpoint}: no complete checkpoint (a step_<N> folder with COMPLETE) there")
@@ -95,8 +128,13 @@ def export(checkpoint: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
         raise ValueError(f"{step_dir} does not verify: {problem}. Fix: export an earlier checkpoint")
     refuse_used(out_dir)
     cfg = model_config(step_dir)
+    adapters = stored_adapters(step_dir)
+    if adapter_dir is not None and not adapters:
+        raise ValueError(f"{step_dir} has no LoRA adapters (model.lora.rank=0): leave out --adapter-dir")
+    if adapter_dir is not None:
+        write_adapter(adapter_dir, load_tensors(step_dir, adapters, torch.float32), cfg, cfg_base_model(step_dir))
     write_hf_folder(out_dir, cfg=cfg, shapes=parameter_shapes(step_dir, cfg), dtype=dtype, tokenizer=_tokenizer(step_dir),
-                    load=lambda shapes: load_tensors(step_dir, shapes, dtype), max_shard_bytes=max_shard_bytes,
+                    load=merged_loader(step_dir, cfg, dtype, adapters), max_shard_bytes=max_shard_bytes,
                     say=lambda line: print(line, flush=True))
     return step_dir
 
@@ -120,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the written weights")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB",
                    help="largest output file, e.g. 5GB (default), 500MB, 2GiB")
+    p.add_argument("--adapter-dir", type=Path, default=None,
+                   help="a LoRA run: also write its adapters there in PEFT's format (OUT_DIR gets them merged)")
     args = parser.parse_args(argv)
     try:
-        step_dir = export(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.max_shard_size)
+        step_dir = export(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.max_shard_size, args.adapter_dir)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"convert_hf: {e}", file=sys.stderr)
         return 1

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallel3d.config import ModelConfig, RopeScaling, head_dim
+from parallel3d.lora import adapter_std, is_adapter
 from parallel3d.models.attention import rotary_tables, sdpa
 from parallel3d.models.kv_cache import BlockCache, KVCache
 from parallel3d.models.moe import MoE, active_ffn_params, expert_hidden, is_moe_layer
@@ -202,7 +203,9 @@ class Transformer(nn.Module):
         self.init_rope()
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
-            if "norm" in name:
+            if is_adapter(name):  # LoRA's A and B (parallel3d/lora.py)
+                std = adapter_std(name, param.shape)
+            elif "norm" in name:
                 std = None
             elif name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
                 std = residual_std  # GPT-2 scaling: keeps the residual stream's variance flat in depth
@@ -217,6 +220,8 @@ class Transformer(nn.Module):
 def _init_param(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
     if std is None:
         full = torch.ones(param.shape, dtype=param.dtype, device=param.device)
+    elif std == 0:
+        full = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
     else:
         digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
         generator = torch.Generator(device=param.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)

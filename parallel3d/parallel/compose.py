@@ -1,7 +1,7 @@
 """parallelize(): the one function that states how the parallelisms compose on a model.
 
 Order, applied to the model while it is still on the meta device:
-    float8 -> tensor parallel -> context parallel -> expert parallel -> activation checkpointing
+    float8 -> tensor parallel -> LoRA -> context parallel -> expert parallel -> activation checkpointing
     -> torch.compile -> data parallel
 Float8 goes first: it swaps module classes, which the tensor-parallel plans (float8 styles for
 float8 layers), compile (the casts fuse into the blocks' kernels) and FSDP (float8 all-gather of
@@ -16,10 +16,13 @@ precision policy (``parallel/data.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from torch import nn
 
 from parallel3d.base import DTYPES
+from parallel3d.config import LoRAConfig
+from parallel3d.lora import apply_lora
 from parallel3d.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
 from parallel3d.parallel.context import apply_context_parallel
@@ -47,6 +50,7 @@ class ParallelPlan:
     float8: Float8Plan = Float8Plan()
     activation: ActivationPlan = ActivationPlan()
     compile: bool = False  # torch.compile each transformer block
+    lora: Optional[LoRAConfig] = None  # model.lora when its rank is set: freeze the model, add adapters
 
     @classmethod
     def from_config(cls, c) -> "ParallelPlan":
@@ -54,7 +58,8 @@ class ParallelPlan:
         m = c.model
         return cls(data=data_parallel_plan(c.parallel, c.train), sequence_parallel=c.parallel.sequence_parallel,
                    cp_method=c.parallel.cp_method, float8=Float8Plan.from_config(c.train),
-                   activation=ActivationPlan(m.activation_checkpoint, m.activation_checkpoint_every), compile=m.compile)
+                   activation=ActivationPlan(m.activation_checkpoint, m.activation_checkpoint_every), compile=m.compile,
+                   lora=m.lora if m.lora.rank else None)
 
 
 def data_parallel_plan(parallel, train) -> DataParallelPlan:
@@ -79,6 +84,8 @@ def parallelize(model: nn.Module, meshes: Meshes, plan: ParallelPlan) -> None:
         # type"): on the CPU the float8 layers compute in float8 between bf16/fp32 collectives.
         float8_tp = bool(float8_layers) and plan.float8.device == "cuda"
         apply_tensor_parallel(model, meshes.tp, plan.sequence_parallel, float8=float8_tp)
+    if plan.lora is not None:  # after tp: the adapters take the split of the layer they adapt
+        apply_lora(model, plan.lora)
     if meshes.cp is not None:
         apply_context_parallel(model, meshes.cp, plan.cp_method)
     tp = meshes.tp.size() if meshes.tp is not None else 1

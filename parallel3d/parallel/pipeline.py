@@ -272,7 +272,7 @@ class TiedEmbeddings:
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        if not self.params:
+        if not self.params or not self.params[0].requires_grad:  # frozen (LoRA): no gradient to sum
             return
         for p in self.params:  # under tp the embedding's gradient comes back replicated: shard it like p
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:

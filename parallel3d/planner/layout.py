@@ -9,11 +9,12 @@ score hundreds of layouts of a 405B model in seconds.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from parallel3d.base import resolve_device
 from parallel3d.config import MoEConfig
+from parallel3d.lora import canonical_targets
 from parallel3d.mesh import ParallelDims
 from parallel3d.muon import is_muon_parameter
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
@@ -46,13 +47,16 @@ class ModelShape:
     aux_loss: bool = False  # model.moe.aux_loss_coef > 0: its counts are summed over the ranks of a sequence
     router: str = "softmax"
     norm_topk_prob: bool = True
+    lora_rank: int = 0  # model.lora.rank: > 0 freezes the model and adds adapters to lora_targets
+    lora_targets: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, m) -> "ModelShape":
-        moe = m.moe
+        moe, lora = m.moe, m.lora
         return cls(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings),
                    m.head_dim, bool(m.qk_norm), moe.num_experts, moe.top_k, moe.expert_ffn_dim or m.ffn_dim,
-                   moe.shared_experts, moe.every, moe.aux_loss_coef > 0, moe.router, bool(moe.norm_topk_prob))
+                   moe.shared_experts, moe.every, moe.aux_loss_coef > 0, moe.router, bool(moe.norm_topk_prob),
+                   lora.rank, canonical_targets(lora.targets) if lora.rank else ())
 
     @property
     def head_dim(self) -> int:
@@ -184,6 +188,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     tp_dim: Optional[int]
     expert: bool = False  # stacked experts (dim 0): split over ep, then sharded over expert_dp when ep > 1
+    trainable: bool = True  # False: LoRA's frozen base, which has no gradient or optimizer state
 
     @property
     def numel(self) -> int:
@@ -209,7 +214,23 @@ def block_params(model: ModelShape, layer: int) -> list[ParamSpec]:
               if not (moe and name.startswith("feed_forward."))]
     if model.qk_norm:
         params += [ParamSpec(p + f"attention.{n}.weight", (model.head_dim,), None) for n in ("q_norm", "k_norm")]
-    return params + (moe_params(model, p + "feed_forward.") if moe else [])
+    return with_adapters(model, params + (moe_params(model, p + "feed_forward.") if moe else []))
+
+
+def with_adapters(model: ModelShape, params: list[ParamSpec]) -> list[ParamSpec]:
+    """Under LoRA: ``params`` frozen, and the adapters of the targeted projections among them, split
+    as ``lora.adapter_placements`` splits them (A like a row-parallel base, B like a column one)."""
+    if not model.lora_rank:
+        return params
+    r, adapters = model.lora_rank, []
+    for spec in params:
+        module = spec.name.removesuffix(".weight")
+        if spec.expert or module.rsplit(".", 1)[-1] not in model.lora_targets:
+            continue
+        out_features, in_features = spec.shape
+        adapters += [ParamSpec(f"{module}.lora_a", (r, in_features), 1 if spec.tp_dim == 1 else None),
+                     ParamSpec(f"{module}.lora_b", (out_features, r), 0 if spec.tp_dim == 0 else None)]
+    return [replace(spec, trainable=False) for spec in params] + adapters
 
 
 def swiglu_params(prefix: str, D: int, F: int) -> list[ParamSpec]:
@@ -231,16 +252,17 @@ def embedding_param(model: ModelShape) -> ParamSpec:
     """Split over the vocabulary when tied (it is the output projection too), else over its dim
     (``parallel.tensor.outer_plan``)."""
     return ParamSpec("tok_embeddings.weight", (model.vocab_size, model.dim),
-                     outer_splits(model.tie_embeddings)["tok_embeddings"])
+                     outer_splits(model.tie_embeddings)["tok_embeddings"], trainable=not model.lora_rank)
 
 
 def head_params(model: ModelShape, holds_embedding: bool) -> list[ParamSpec]:
     """The last stage's norm and output projection. A tied model projects with the embedding:
     one matrix when the stage embeds too, else the stage's own copy of it."""
     splits = outer_splits(model.tie_embeddings)
-    norm = ParamSpec("norm.weight", (model.dim,), splits["norm"])
+    norm = ParamSpec("norm.weight", (model.dim,), splits["norm"], trainable=not model.lora_rank)
     if not model.tie_embeddings:
-        return [norm, ParamSpec("output.weight", (model.vocab_size, model.dim), splits["output"])]
+        return [norm, ParamSpec("output.weight", (model.vocab_size, model.dim), splits["output"],
+                                trainable=not model.lora_rank)]
     return [norm] if holds_embedding else [norm, embedding_param(model)]
 
 

@@ -17,7 +17,8 @@ an idealization:
 * under ``optim.name=muon`` the blocks' matrices keep one ``momentum_buffer`` each, sharded like
   the parameter, and no ``step``; the rest keeps AdamW's state;
 * a tied last pipeline stage holds its own copy of the embedding (with gradient and state);
-* expert-parallel experts: 1/ep of the experts, sharded over expert_dp by the ZeRO stage.
+* expert-parallel experts: 1/ep of the experts, sharded over expert_dp by the ZeRO stage;
+* under LoRA the base is frozen (its weights only) and the adapters hold all three.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def param_state(spec: ParamSpec, layout: Layout, dp_rank: int = 0) -> ModelState
     if spec.expert and layout.ep > 1:
         rows, n = expert_local_shape(spec, layout, dp_rank)[0], 1
     local = chunk_rows(rows, n, dp_rank % n) * row_numel * MASTER_BYTES
+    if not spec.trainable:  # LoRA's frozen base: the weight alone
+        return ModelState(local, 0, 0)
     if layout.optimizer == "muon" and spec.muon:
         return ModelState(local, local, MUON_MOMENTS * local)
     return ModelState(local, local, ADAM_MOMENTS * local + ADAM_STEP_BYTES)
@@ -108,7 +111,7 @@ def unsharded_gradient_bytes(model: ModelShape, stage: Stage, layout: Layout) ->
     """FSDP's unsharded gradients of a pipeline stage, accumulated (reduce dtype) over a schedule step."""
     if layout.pp == 1 or layout.shards == 1:
         return 0
-    unsharded = sum(n * unsharded_numel(p, layout) for p, n in stage.counted_params(model))
+    unsharded = sum(n * unsharded_numel(p, layout) for p, n in stage.counted_params(model) if p.trainable)
     return layout.reduce_bytes * unsharded + own_expert_gradient_bytes(model, stage, layout)
 
 
@@ -118,7 +121,7 @@ def own_expert_gradient_bytes(model: ModelShape, stage: Stage, layout: Layout) -
     if layout.ep == 1 or layout.expert_dp > 1:
         return 0
     return MASTER_BYTES * sum(n * math.prod(expert_local_shape(p, layout)) for p, n in stage.counted_params(model)
-                              if p.expert)
+                              if p.expert and p.trainable)
 
 
 def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, block_peak: int) -> int:

@@ -1,0 +1,142 @@
+"""LoRA (parallel3d/lora.py, lora_hf.py): only the adapters train, every layout equals one process,
+the planner counts the frozen base, and the exports (merged weights, PEFT adapter) are exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from conftest import assert_matches, layouts, prefetch_selected, relative_error
+from parallel3d import hf
+from parallel3d.base import ConfigError
+from parallel3d.config import LoRAConfig, ModelConfig, OptimConfig, compose
+from parallel3d.lora import apply_lora, is_adapter
+from parallel3d.validate import check
+
+LORA = ["model.lora.rank=4", "model.lora.alpha=8"]  # scale alpha / rank = 2
+# One 4-rank launch: tp splits the adapters (column: B, row: A), ZeRO-3 with cp shards frozen and
+# trainable parameters in one FSDP unit, pp stages hold their blocks' adapters (a zero-bubble
+# schedule: its split weight backward meets the frozen base).
+LAYOUTS = layouts({
+    "dp2_tp2": (4, ["parallel.dp_shard=2", "parallel.tp=2", "checkpoint.every=5"]),
+    "dp2_cp2_zero3": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=3"]),
+    "dp2_pp2_zbv": (4, ["parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"]),
+})
+
+
+@pytest.fixture(scope="module")
+def lora_reference(parity):
+    return parity.run("lora-reference", 1, [*LORA, "train.micro_batch_size=16"])
+
+
+def test_only_adapters_train():
+    cfg = ModelConfig(n_layers=2, lora=LoRAConfig(rank=4, alpha=8.0))
+    with torch.device("meta"):
+        from parallel3d.models import Transformer
+        model = Transformer(cfg)
+    apply_lora(model, cfg.lora)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and trainable == {name for name, _ in model.named_parameters() if is_adapter(name)}
+    assert all(p.abs().sum() == 0 for name, p in model.named_parameters() if name.endswith("lora_b"))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens[:, :-1])
+    from parallel3d.optim import build_optimizer
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {
+        id(p) for _, p in model.named_parameters() if p.requires_grad}
+    for _ in range(3):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        assert all(p.grad is None for name, p in model.named_parameters() if name not in trainable)
+        optimizer.step()
+        optimizer.zero_grad()
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[name], after[name]) for name in before if name not in trainable)
+    assert all(not torch.equal(before[name], after[name]) for name in trainable)
+    assert not torch.allclose(model(tokens[:, :-1]), logits)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.tp=2", "model.lora.dropout=0.1"], "model.lora.dropout"),
+    (["model.lora.targets=[wq,experts]"], "model.lora.targets"),
+    (["model.lora.targets=[q_proj,w9]"], "model.lora.targets"),
+])
+def test_refusals(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        check(compose([*LORA, *overrides]), 2 if "parallel.tp=2" in overrides else 1)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_layouts_equal_one_process(request, parity, lora_reference, layout):
+    """Losses, grad norms and final weights (adapters included) of each layout equal one process's;
+    ``parity.run`` also holds each run's measured model-state bytes to the planner's."""
+    prefetch_selected(request, parity, LAYOUTS, prefix="lora-", extra=LORA)
+    assert_matches(lora_reference, parity.train(layout, prefix="lora-", extra=LORA), rel=1e-5, weights=True)
+
+
+@pytest.mark.multirank
+def test_resume_at_another_layout(parity, lora_reference):
+    """dp2 x tp2's step-5 checkpoint (adapters and their optimizer state split over dp and tp)
+    resumed by one process continues as the one-process run did."""
+    run = parity.train(LAYOUTS[0], prefix="lora-", extra=LORA)
+    step_5 = run.run_dir / "checkpoints" / "step_5"
+    resumed = parity.run("lora-resumed", 1, [*LORA, "train.micro_batch_size=16", f"checkpoint.resume={step_5}"])
+    assert [row["step"] for row in resumed.metrics] == list(range(6, 11))
+    rows = [row for row in lora_reference.metrics if row["step"] > 5]
+    for key in ("loss", "grad_norm"):
+        assert relative_error([r[key] for r in resumed.metrics], [r[key] for r in rows]) < 1e-5, key
+    assert_matches(lora_reference, resumed, metrics=(), weights=True)
+
+
+@pytest.mark.multirank
+def test_exports(parity, lora_reference, tmp_path):
+    """The dp2 x tp2 run's checkpoint exports W + alpha/r B A (read whole from tp and dp shards);
+    its PEFT adapter (from train.save_model and export --adapter-dir alike) loaded by peft onto the
+    base model gives the merged model's logits."""
+    from parallel3d.cli.convert_hf import export, load_tensors, model_config, parameter_shapes, stored_adapters
+
+    run = parity.train(LAYOUTS[0], prefix="lora-", extra=LORA)
+    step_dir = run.run_dir / "checkpoints" / "step_10"
+    export(step_dir, tmp_path / "merged", torch.float32, adapter_dir=tmp_path / "adapter")
+    cfg = model_config(step_dir)
+    # The last checkpoint, whole: adapters unmerged, our names.
+    state = load_tensors(step_dir, parameter_shapes(step_dir, cfg) | stored_adapters(step_dir), torch.float32)
+    assert any(state[n].abs().sum() > 0 for n in state if n.endswith("lora_b"))
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    for name, weight in state.items():
+        if is_adapter(name):
+            continue
+        a, b = (state.get(name.removesuffix(".weight") + suffix) for suffix in (".lora_a", ".lora_b"))
+        want = weight if a is None else weight + 2 * b @ a
+        torch.testing.assert_close(merged[hf.to_hf(name, cfg)], want, rtol=1e-6, atol=1e-6)
+    assert load_file(str(run.run_dir / "hf_adapter" / "adapter_model.safetensors")).keys() == \
+        load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")).keys()
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj"])
+    _assert_peft_logits(state, cfg, run.run_dir / "hf_adapter", tmp_path)
+
+
+def _assert_peft_logits(state, cfg, adapter_dir, tmp_path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    save_file({hf.to_hf(n, cfg): t.contiguous() for n, t in state.items() if not is_adapter(n)},
+              str(base_dir / "model.safetensors"), metadata={"format": "pt"})
+    (base_dir / "config.json").write_text(json.dumps(hf.hf_config(cfg, torch.float32)))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        base_logits = AutoModelForCausalLM.from_pretrained(base_dir).eval()(tokens).logits
+        torch.testing.assert_close(peft_model(tokens).logits, merged(tokens).logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(base_logits, merged(tokens).logits, atol=1e-3)  # the adapters do something
