@@ -1,34 +1,41 @@
 #!/usr/bin/env python
 """Fine-tuning throughput: the same instruction records trained packed and padded.
 
-    python tools/bench_sft.py [--records 2000] [--steps 30] [key=value ...]
+    python tools/bench_sft.py [--records 2000] [--steps 10] [key=value ...]
 
 Writes prompt/response records of varied length (prompts 16-256 bytes, responses 16-1024 bytes,
-log-uniform, a fixed seed), then trains the tiny model on them twice in a process of its own
-each, ``data.packing=true`` and ``false``, byte tokens, ``train.seq_len=512`` unless overridden.
-A row costs the same either way; what differs is how much of it is padding. Reported per run:
-rows per second (the run's ``tokens_per_sec`` / (seq_len)), the share of row tokens that are
-samples (from the rows files' manifests), and sample and trained tokens per second (the rows'
-rate times those shares, averaged over the rows files). Step times are medians over the steps
-after the first two. Prints a Markdown block for BENCHMARKS.md (date, machine, command, numbers).
+log-uniform, a fixed seed), then trains the tiny model on them in this process, byte tokens,
+``train.seq_len=512``, global batch 16, ``data.packing=true`` and ``false``. A row costs about
+the same either way (packed rows add the per-sample attention mask); what differs is how much of
+it is padding. Each setting trains ``--steps`` and then ``2 x --steps`` steps from scratch on
+rows built beforehand; the difference of the two runs' CPU time, divided by ``--steps``, is the
+CPU time of a step with start-up cancelled out (one torch thread: CPU time barely moves with the
+machine's load, wall time does). Reported: rows and tokens per CPU second, where sample tokens
+are the rows' non-padding tokens and trained tokens those with a loss (the assistant replies and
+EOS), both from the rows files' manifests (averaged over all rows). Prints a Markdown block for
+BENCHMARKS.md (date, machine, command, numbers).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
-import statistics
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from bench_common import heading
+import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_common import heading, torch_threads
+from parallel3d.config import compose
+from parallel3d.data.corpus import open_sources
+from parallel3d.train import train
+
 WORDS = "the of and to in is that for it as with was on be by this are from at or an have not which".split()
 
 
@@ -47,14 +54,17 @@ def write_records(path: Path, count: int, seed: int) -> None:
             f.write(json.dumps({"prompt": text(16, 256), "response": text(16, 1024)}) + "\n")
 
 
-def train(root: Path, name: str, overrides: list[str]) -> dict:
-    """One run in its own process; its metrics and its rows' manifests."""
-    run_dir = root / name
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
-    subprocess.run([sys.executable, "-m", "parallel3d.train", f"run_dir={run_dir}", *overrides], check=True,
-                   env=env, cwd=root, capture_output=True, text=True)
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"metrics": metrics}
+def cpu_per_step(overrides: list[str], steps: int, root: Path) -> float:
+    """CPU seconds of one training step: runs of ``steps`` and ``2 x steps``, differenced."""
+    seconds = []
+    for n in (steps, 2 * steps):
+        start = time.process_time()
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            train(compose([*overrides, f"train.steps={n}", f"run_dir={root / f'run{n}'}"]))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        seconds.append(time.process_time() - start)
+    return (seconds[1] - seconds[0]) / steps
 
 
 def rows_manifests(cache: Path, rows_of: int, packing: bool) -> dict:
@@ -71,29 +81,30 @@ def rows_manifests(cache: Path, rows_of: int, packing: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=2000)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
+    lines = ["| data.packing | CPU time per step | rows per CPU s | sample share of row tokens | sample tokens per CPU s "
+             "| trained tokens per CPU s |", "|---|---:|---:|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory() as tmp, torch_threads(1):
         root = Path(tmp)
         write_records(root / "records.jsonl", args.records, seed=0)
-        base = [f"data.sources=[{root / 'records.jsonl'}]", "data.format=prompt_response", f"data.cache_dir={root / 'cache'}",
-                f"train.steps={args.steps}", "train.seq_len=512", "train.global_batch_size=16",
-                "train.micro_batch_size=4", "model.vocab_size=512", *args.overrides]
-        seq_len = int(next((o.split("=")[1] for o in reversed(base) if o.startswith("train.seq_len=")), 512))
-        lines = ["| data.packing | rows/s | sample share of row tokens | sample tokens/s | trained tokens/s | step time |",
-                 "|---|---:|---:|---:|---:|---:|"]
+        base = [f"data.sources=[{root / 'records.jsonl'}]", "data.format=prompt_response",
+                f"data.cache_dir={root / 'cache'}", "train.seq_len=512", "train.global_batch_size=16",
+                "train.micro_batch_size=4", "train.device=cpu", "model.vocab_size=512", *args.overrides]
         for packing in (True, False):
-            run = train(root, f"packing-{packing}", [*base, f"data.packing={str(packing).lower()}"])
-            timed = run["metrics"][2:] or run["metrics"]
-            rate = statistics.median(m["tokens_per_sec"] for m in timed) / seq_len
-            step = statistics.median(m["step_time_s"] for m in timed)
-            rows = rows_manifests(root / "cache", seq_len + 1, packing)
-            share = rows["sample_tokens"] / (rows["rows"] * (seq_len + 1))
-            trained = rows["trained_tokens"] / rows["rows"]
-            lines.append(f"| {str(packing).lower()} | {rate:.1f} | {share:.1%} | {rate * share * (seq_len + 1):,.0f} | "
-                         f"{rate * trained:,.0f} | {step * 1000:.0f} ms |")
-    print(heading("Fine-tuning: packed vs padded rows", "bench_sft.py", argv) + "\n")
+            overrides = [*base, f"data.packing={str(packing).lower()}"]
+            c = compose(overrides)
+            with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+                open_sources(list(c.data.sources), c.data, 0.0, seq_len=c.train.seq_len)  # the rows, untimed
+            step = cpu_per_step(overrides, args.steps, root / f"packing-{packing}")
+            rows = rows_manifests(root / "cache", c.train.seq_len + 1, packing)
+            width = c.train.seq_len + 1
+            share = rows["sample_tokens"] / (rows["rows"] * width)
+            per_s = c.train.global_batch_size / step
+            lines.append(f"| {str(packing).lower()} | {step * 1000:.0f} ms | {per_s:.1f} | {share:.1%} | "
+                         f"{per_s * share * width:,.0f} | {per_s * rows['trained_tokens'] / rows['rows']:,.0f} |")
+    print(heading("Fine-tuning: packed vs padded rows", "bench_sft.py", argv, "one torch thread, CPU time") + "\n")
     print("\n".join(lines))
     return 0
 
