@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from parallel3d.base import RunError
 from parallel3d.checkpoint import COMPLETE, Checkpointer, TrainState
 from parallel3d.config import CheckpointConfig, ModelConfig
+from parallel3d.lora import apply_lora
 from parallel3d.models import Transformer
 from parallel3d.models.kv_cache import KVCache
 from parallel3d.resume import pick_checkpoint
@@ -53,6 +54,8 @@ def load_model(step_dir: Path, *, device: torch.device | str = "cpu",
         OmegaConf.merge(OmegaConf.structured(ModelConfig), saved_config(step_dir).model))
     with torch.device("meta"):
         model = Transformer(cfg)
+        if cfg.lora.rank:  # a LoRA run's adapters, loaded with the rest: without them it is the base model
+            apply_lora(model, cfg.lora)
     model.to_empty(device=device)
     model.to(dtype)
     model.init_rope()  # float32 tables, as training computes them

@@ -62,8 +62,9 @@ def adapter_std(name: str, shape: tuple[int, ...]) -> float:
     return 0.0 if name.endswith(f".{B}") else 1.0 / math.sqrt(3 * shape[1])
 
 
-def check_lora(m, p, t) -> None:
+def check_lora(cfg) -> None:
     """Refuse LoRA settings that cannot run (one line naming the key and the fix)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     lora = m.lora
     if lora.rank < 0:
         raise ConfigError("model.lora.rank", lora.rank, "must be >= 0", "set 0 (off) or a rank such as 16")
@@ -83,6 +84,9 @@ def check_lora(m, p, t) -> None:
     if t.float8 != "none":
         raise ConfigError("train.float8", t.float8, "LoRA adapts full-precision projections",
                           "set train.float8=none with model.lora.rank > 0")
+    if cfg.optim.name != "adamw":  # Muon orthogonalises whole matrices; nothing says it suits rank-r adapters
+        raise ConfigError("optim.name", cfg.optim.name, "LoRA's adapters train with AdamW here",
+                          "set optim.name=adamw with model.lora.rank > 0")
     if lora.dropout and p.tp > 1:
         raise ConfigError("model.lora.dropout", lora.dropout, f"under parallel.tp={p.tp} the tp ranks would drop "
                           "different inputs of one replicated activation", "set model.lora.dropout=0 or parallel.tp=1")

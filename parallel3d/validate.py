@@ -78,7 +78,7 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_degrees(cfg.parallel, world_size)
     _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
     check_experts(cfg.model, cfg.parallel)
-    check_lora(cfg.model, cfg.parallel, cfg.train)
+    check_lora(cfg)
     _check_data_parallel(cfg.parallel, cfg.train, device)
     check_float8(cfg.train, cfg.parallel)
     _check_batch(cfg.train, cfg.parallel, cfg.model)

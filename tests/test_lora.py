@@ -67,6 +67,7 @@ def test_only_adapters_train():
     (["parallel.tp=2", "model.lora.dropout=0.1"], "model.lora.dropout"),
     (["model.lora.targets=[wq,experts]"], "model.lora.targets"),
     (["model.lora.targets=[q_proj,w9]"], "model.lora.targets"),
+    (["optim.name=muon"], "optim.name"),
 ])
 def test_refusals(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -122,6 +123,20 @@ def test_exports(parity, lora_reference, tmp_path):
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj"])
     _assert_peft_logits(state, cfg, run.run_dir / "hf_adapter", tmp_path)
+    _assert_generation_model_has_the_adapters(step_dir, tmp_path / "merged")
+
+
+def _assert_generation_model_has_the_adapters(step_dir, merged_dir) -> None:
+    """parallel3d-generate, parallel3d-evaluate's lm-eval adapter: the checkpoint's model, adapters included."""
+    from transformers import AutoModelForCausalLM
+
+    from parallel3d.generate import load_model
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = load_model(step_dir)(tokens)
+        theirs = AutoModelForCausalLM.from_pretrained(merged_dir).eval()(tokens).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 def _assert_peft_logits(state, cfg, adapter_dir, tmp_path) -> None:
