@@ -145,9 +145,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-5,
                   max_position_embeddings=2048, tie_word_embeddings=False)
-# The same model as parallel3d's keys.
-TINY_LLAMA_KEYS = ["model.dim=64", "model.ffn_dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-                   "model.vocab_size=512", "model.rope_theta=10000", "model.norm_eps=1e-5", "model.max_seq_len=2048"]
+
 
 
 def llama_folder(folder: Path, style: str = "llama3", seed: int = 0) -> Path:

@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chat_files import TINY_LLAMA_KEYS, chat_records, llama_folder, write_jsonl
+from chat_files import chat_records, llama_folder, write_jsonl
 from conftest import assert_matches, launch, launch_batch, relative_error
 
 STEPS, GLOBAL_BATCH = 10, 8
 # A constant lr without weight decay: the reference's AdamW is torch's, as configured here.
 TRAIN = [f"train.steps={STEPS}", f"train.global_batch_size={GLOBAL_BATCH}", "train.seq_len=64", "optim.eps=1e-6",
          "optim.warmup_steps=0", "optim.schedule=constant", "optim.weight_decay=0", "train.grad_clip=1.0",
-         "data.format=chat", *TINY_LLAMA_KEYS]
+         "data.format=chat"]
 # One 4-rank launch: dp4 ZeRO-3 (two micro batches a rank), and dp2 with tp2, pp2 and cp2.
 LAYOUTS = {
     "dp4-zero3": ["parallel.zero_stage=3", "train.micro_batch_size=1"],
@@ -38,8 +38,8 @@ def sft(tmp_path_factory):
     model = llama_folder(root / "model")
     data = write_jsonl(root / "chats.jsonl", chat_records(90, long_prompts=10))
     heldout = write_jsonl(root / "heldout.jsonl", chat_records(40, seed=1))
-    overrides = [*TRAIN, f"data.sources=[{data}]", f"data.tokenizer={model / 'tokenizer.json'}",
-                 f"eval.sources=[{heldout}]", "eval.batches=1",
+    # The folder alone defines the model and the tokenizer (and its chat template): no model.* key.
+    overrides = [*TRAIN, f"data.sources=[{data}]", f"eval.sources=[{heldout}]", "eval.batches=1",
                  f"data.cache_dir={root / 'cache'}", f"checkpoint.init_from={model}"]
     run = launch(root / "one", [*overrides, "train.micro_batch_size=1"])
     run.assert_finished(STEPS)
