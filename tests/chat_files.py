@@ -147,7 +147,6 @@ TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   max_position_embeddings=2048, tie_word_embeddings=False)
 
 
-
 def llama_folder(folder: Path, style: str = "llama3", seed: int = 0) -> Path:
     """A tiny Llama (random weights, float32) saved by transformers, with a chat tokenizer beside it."""
     import torch
