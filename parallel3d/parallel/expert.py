@@ -168,6 +168,8 @@ def _sum_over_world(values: torch.Tensor, world_group_size: int, device: torch.d
 
 def _check_groups(moe, n_layers: int) -> None:
     """DeepSeek-V3's group-limited routing and first dense blocks."""
+    if not moe.num_experts:
+        return
     if not 0 <= moe.first_dense_layers < n_layers:
         raise ConfigError("model.moe.first_dense_layers", moe.first_dense_layers, f"must be in 0..n_layers-1="
                           f"{n_layers - 1}", "keep at least one MoE block, or set model.moe.num_experts=0")
