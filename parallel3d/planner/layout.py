@@ -58,7 +58,8 @@ class ModelShape:
         moe = m.moe
         mla = {k: getattr(m, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                           "v_head_dim")} if m.attention == "mla" else {}
-        return cls(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings),
+        kv_heads = m.n_heads if m.attention == "mla" else m.n_kv_heads  # every MLA head has its own k and v
+        return cls(m.dim, m.n_layers, m.n_heads, kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings),
                    m.head_dim, bool(m.qk_norm), moe.num_experts, moe.top_k, moe.expert_ffn_dim or m.ffn_dim,
                    moe.shared_experts, moe.every, moe.aux_loss_coef > 0, moe.router, bool(moe.norm_topk_prob),
                    moe.first_dense_layers, m.attention, **mla)
