@@ -98,7 +98,11 @@ class LocalAttention:
         return None  # 0 .. seq_len - 1
 
     def __call__(self, q, k, v, doc_ids=None):
-        return sdpa(q, k, v, doc_ids, doc_ids)
+        if v.shape[-1] == q.shape[-1]:
+            return sdpa(q, k, v, doc_ids, doc_ids)
+        # Values narrower than queries and keys (MLA): zero-padded to their width, flash kernels
+        # (one head dim for q, k and v) apply, not the math one, which keeps s x s scores.
+        return sdpa(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), doc_ids, doc_ids)[..., :v.shape[-1]]
 
 
 class FeedForward(nn.Module):
