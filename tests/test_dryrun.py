@@ -121,6 +121,18 @@ def test_deepseek_v3_671b_on_1024_ranks_ep64_pp16():
     assert abs(planned.peak_bytes / r.peak_bytes - 1) < 0.10
 
 
+def test_mla_comm_bytes_match_the_planner():
+    """Multi-head latent attention under tp 2 x cp 2 (ring): tensor- and context-parallel bytes
+    equal the planner's, the all-reduce of the replicated latent down-projections' gradients and
+    the ring's k and v of different widths included (the grad norm's scalars left out)."""
+    overrides = ["model=tiny_mla", "model.moe.num_experts=0", "parallel.tp=2", "parallel.cp=2",
+                 "parallel.cp_method=ring", "train.global_batch_size=2"]
+    [r] = dry_run(overrides, 4, [0])
+    sent = {(dim, "send_recv" if kind == "send" else kind): s.sent_bytes
+            for dim, kinds in r.comm.items() if dim in ("tp", "cp") for kind, s in kinds.items() if s.sent_bytes}
+    assert sent == plan_of(overrides, 4)
+
+
 def test_llama3_8b_at_128k_on_64_ranks_cp2_tp4():
     """The long-context recipe (what the planner recommends, tests/test_planner.py) runs its step on
     64 fake ranks: the all-to-all bytes are the closed form and the planner's, and its peak fits an

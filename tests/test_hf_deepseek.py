@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors import safe_open
 
 from parallel3d import hf, hf_deepseek
 from parallel3d.checkpoint import Checkpointer, TrainState
@@ -60,6 +61,11 @@ def test_logits_equal_transformers(tmp_path, name):
         expected = reference(tokens).logits
         got = model(tokens)
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # Export names: our parameters and the router's bias are the folder's tensors, one to one.
+    ours_keys = [key for name, t in [*model.named_parameters(), *model.named_buffers()] if "rope_" not in name
+                 for key in hf.hf_tensors(name, t, cfg)]
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert sorted(ours_keys) == sorted(f.keys())
     # Our config.json describes the same model to transformers.
     again = transformers.DeepseekV3Config(**{k: v for k, v in hf.hf_config(cfg, torch.float32).items()
                                              if k not in ("architectures", "model_type", "torch_dtype")})

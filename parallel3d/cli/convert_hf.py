@@ -78,7 +78,7 @@ def parameter_shapes(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = Transformer(cfg)
         names = [name for name, _ in model.named_parameters()]
-        if hf.exported_buffers(cfg):  # the sigmoid router's balancing bias, in the model's order
+        if hf.exported_buffers(cfg):  # the sigmoid router's balancing bias, after the parameters
             names += [name for name, _ in model.named_buffers() if name.endswith("expert_bias")]
     missing = [name for name in names if name not in stored]
     if missing:
