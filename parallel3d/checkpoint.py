@@ -327,6 +327,9 @@ class Checkpointer:
         if hf.is_hf_dir(path):
             hf_config.check_agrees(path, model_cfg)
             targets, copies = _model_targets(state, lambda name, param: hf.hf_tensors(name, param, model_cfg))
+            if hf.exported_buffers(model_cfg):
+                targets |= {key: t for name, buf in state.persistent_buffers().items()
+                            for key, t in hf.hf_tensors(name, buf, model_cfg).items()}
         else:
             found = find_checkpoint(path)
             if found is None:

@@ -32,12 +32,17 @@ RECIPES_DIR = _shipped("recipes")
 
 @dataclass
 class RopeScaling:
-    """Llama 3.1 frequency-dependent RoPE scaling (long-context extension)."""
+    """RoPE scaling for long contexts: Llama 3.1's frequency-dependent one, or YaRN (DeepSeek-V3)."""
 
+    type: str = "llama3"  # llama3 | yarn
     factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_seq_len: int = 8192
+    beta_fast: float = 32.0  # yarn: rotations per context below which a channel pair is interpolated
+    beta_slow: float = 1.0  # yarn: ... and above which it is kept (a linear ramp between)
+    mscale: float = 1.0  # yarn: cos/sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    mscale_all_dim: float = 0.0  # yarn: softmax scale times mscale(factor, mscale_all_dim)^2; 0: neither
 
 
 @dataclass
@@ -54,6 +59,11 @@ class MoEConfig:
     router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3: aux-loss-free balancing bias)
     bias_update_rate: float = 1e-3  # sigmoid router: bias step per optimizer step towards even load
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most ceil(cf*tokens*top_k/E) per forward
+    # DeepSeek-V3 (docs/mla.md): experts in n_group groups; a token picks from its topk_group best groups only
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this
+    first_dense_layers: int = 0  # the first N blocks stay dense (DeepSeek's first_k_dense_replace)
 
 
 @dataclass
@@ -84,6 +94,13 @@ class ModelConfig:
     tie_embeddings: bool = False
     head_dim: int = 0  # channels per attention head; 0: dim // n_heads (Qwen3 sets 128 explicitly)
     qk_norm: bool = False  # Qwen3: RMSNorm of each query and key head before RoPE
+    # gqa: grouped-query attention; mla: DeepSeek's multi-head latent attention (models/mla.py, docs/mla.md)
+    attention: str = "gqa"
+    q_lora_rank: int = 0  # mla: rank of the query's low-rank projection; 0: a full-rank wq
+    kv_lora_rank: int = 512  # mla: width of the compressed key/value latent
+    qk_nope_head_dim: int = 128  # mla: channels per query/key head without RoPE
+    qk_rope_head_dim: int = 64  # mla: channels per head with RoPE (the key's shared by all heads)
+    v_head_dim: int = 128  # mla: channels per value head
     moe: MoEConfig = field(default_factory=MoEConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     init_std: float = 0.02

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 from parallel3d.base import ConfigError
 from parallel3d.data.tokenizer import tokenizer_file, tokenizer_folder
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral")
+DEEPSEEK = "deepseek_v3"  # parallel3d/hf_deepseek.py: its names and config.json out
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", DEEPSEEK)
 # transformers' defaults for the keys a config.json may leave out (LlamaConfig, Qwen3Config, ...).
 _DEFAULTS = {
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048},
@@ -72,6 +73,9 @@ def read_model(path: Path) -> dict[str, tuple[str, object]]:
         _refuse(path, f"its config.json has sliding_window={hf['sliding_window']}, which parallel3d's mixtral "
                       f"cannot compute (full attention only)", "use a model without it")
 
+    if fam == DEEPSEEK:
+        return _deepseek(hf, path)
+
     def get(key: str):
         return hf[key] if hf.get(key) is not None else _DEFAULTS[fam].get(key)
 
@@ -117,6 +121,71 @@ def _moe(hf: dict, fam: str, get) -> dict[str, tuple[str, object]]:
                 "moe.shared_experts": (_implied(fam, "shared_experts"), 0),
                 "moe.router": (_implied(fam, "router"), "softmax")}
     return {"moe.num_experts": (_implied(fam, "num_experts"), 0)}
+
+
+# Our DeepSeek-V3 keys and the config.json keys they come from (deepseek_fields reads them).
+_DEEPSEEK_KEYS = {
+    "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+    "ffn_dim": "intermediate_size", "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+    "max_seq_len": "max_position_embeddings", "tie_embeddings": "tie_word_embeddings", "rope_scaling": "rope_scaling",
+    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "moe.num_experts": "n_routed_experts",
+    "moe.top_k": "num_experts_per_tok", "moe.expert_ffn_dim": "moe_intermediate_size",
+    "moe.shared_experts": "n_shared_experts", "moe.n_group": "n_group", "moe.topk_group": "topk_group",
+    "moe.norm_topk_prob": "norm_topk_prob", "moe.routed_scaling_factor": "routed_scaling_factor",
+    "moe.first_dense_layers": "first_k_dense_replace",
+}
+
+
+def _deepseek(hf: dict, path: Path) -> dict[str, tuple[str, object]]:
+    """A deepseek_v3 config.json's model keys (deepseek_fields), each with its source key."""
+    try:
+        fields = deepseek_fields(hf)
+    except KeyError as e:
+        _refuse(path, f"its config.json has no {e.args[0]}", "use a complete config.json (as save_pretrained writes)")
+    except ValueError as e:
+        _refuse(path, str(e), "use a model with default or yarn RoPE")
+    moe = fields.pop("moe", {"num_experts": 0})
+    flat = {**fields, **{f"moe.{key}": value for key, value in moe.items()}}
+    return {key: (_DEEPSEEK_KEYS.get(key) or _implied(DEEPSEEK, key), value) for key, value in flat.items()}
+
+
+def deepseek_fields(config: dict) -> dict:
+    """A deepseek_v3 ``config.json`` as our model fields (dotted ``model.`` keys without the prefix):
+    what ``checkpoint.init_from=HF_DIR`` needs to build the model from the folder alone."""
+    layers = config["num_hidden_layers"]
+    dense_layers = config.get("first_k_dense_replace", 0)
+    fields = {
+        "attention": "mla", "dim": config["hidden_size"], "n_layers": layers,
+        "n_heads": config["num_attention_heads"], "n_kv_heads": config["num_attention_heads"],
+        "ffn_dim": config["intermediate_size"], "vocab_size": config["vocab_size"],
+        "norm_eps": config.get("rms_norm_eps", 1e-6), "rope_theta": config.get("rope_theta", 10000.0),
+        "max_seq_len": config.get("max_position_embeddings", 4096),
+        "tie_embeddings": config.get("tie_word_embeddings", False),
+        "q_lora_rank": config.get("q_lora_rank") or 0, "kv_lora_rank": config["kv_lora_rank"],
+        "qk_nope_head_dim": config["qk_nope_head_dim"], "qk_rope_head_dim": config["qk_rope_head_dim"],
+        "v_head_dim": config["v_head_dim"], "rope_scaling": _rope_scaling(config),
+    }
+    if dense_layers < layers:
+        fields["moe"] = {
+            "num_experts": config["n_routed_experts"], "top_k": config["num_experts_per_tok"],
+            "expert_ffn_dim": config["moe_intermediate_size"], "shared_experts": config.get("n_shared_experts", 0),
+            "router": "sigmoid", "n_group": config.get("n_group") or 1, "topk_group": config.get("topk_group") or 1,
+            "norm_topk_prob": config.get("norm_topk_prob", True),
+            "routed_scaling_factor": config.get("routed_scaling_factor", 1.0), "first_dense_layers": dense_layers,
+        }
+    return fields
+
+
+def _rope_scaling(config: dict) -> dict | None:
+    s = config.get("rope_scaling") or config.get("rope_parameters")
+    if not s or s.get("rope_type", s.get("type", "default")) == "default":
+        return None
+    if s.get("rope_type", s.get("type")) != "yarn":
+        raise ValueError(f"rope_scaling type {s.get('rope_type')!r}: deepseek_v3 folders are read with yarn only")
+    return {"type": "yarn", "factor": s["factor"], "original_max_seq_len": s["original_max_position_embeddings"],
+            "beta_fast": s.get("beta_fast") or 32.0, "beta_slow": s.get("beta_slow") or 1.0,
+            "mscale": s.get("mscale") or 0.0, "mscale_all_dim": s.get("mscale_all_dim") or 0.0}
 
 
 def _implied(fam: str, name: str) -> str:
@@ -165,7 +234,15 @@ def disagreements(path: Path, model_cfg, keys=None) -> list[tuple[str, str, obje
     theirs = {key: value for key, (_, value) in decided.items()}
     return [(key, hf_key, value, ours[key]) for key, (hf_key, value) in decided.items()
             if (keys is None or key in keys)
-            and _effective(key, ours[key], ours) != _effective(key, value, theirs)]
+            and _differs(_effective(key, ours[key], ours), _effective(key, value, theirs))]
+
+
+def _differs(ours, theirs) -> bool:
+    """A value of ours against the folder's; a section (rope_scaling) on the keys the folder gives:
+    ours also carries the defaults of keys its type does not read."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return any(ours.get(key) != value for key, value in theirs.items())
+    return ours != theirs
 
 
 def check_agrees(path: Path, model_cfg) -> None:

@@ -23,6 +23,7 @@ from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device, world
 from parallel3d.checkpoint import find_checkpoint
 from parallel3d.manifest import VERIFY_MODES
 from parallel3d.muon import OPTIMIZERS, check_muon_config
+from parallel3d.models.mla import check_attention
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
 from parallel3d.guard import check_bad_step_config
@@ -172,7 +173,8 @@ def _check_model(m, tp: int, pp: int) -> None:
     if m.dim % m.n_heads:
         raise ConfigError("model.dim", m.dim, f"not divisible by model.n_heads={m.n_heads}",
                           f"choose n_heads from {divisors(m.dim)}")
-    if (m.dim // m.n_heads) % 2:
+    check_attention(m)
+    if m.attention == "gqa" and (m.dim // m.n_heads) % 2:
         raise ConfigError("model.n_heads", m.n_heads, f"head dim {m.dim // m.n_heads} is odd and RoPE rotates pairs",
                           "choose dim and n_heads so that dim/n_heads is even")
     if m.n_heads % m.n_kv_heads:

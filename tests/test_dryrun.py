@@ -107,6 +107,32 @@ def test_qwen3_235b_a22b_on_512_ranks_ep64_pp8():
     assert abs(planned.peak_bytes / r.peak_bytes - 1) < 0.10
 
 
+def test_deepseek_v3_671b_on_1024_ranks_ep64_pp16():
+    """The DeepSeek-V3 recipe (multi-head latent attention, 256 experts; pp 16 x dp_shard 64, ep 64,
+    ZeRO-3, full recomputation), 16 micro batches: rank 0's model state is the planner's, byte for
+    byte, and its peak within 10% of the planner's (docs/mla.md)."""
+    overrides = ["recipe=deepseek_v3_671b", "train.global_batch_size=1024"]
+    [r] = dry_run(overrides, 1024, [0])
+    assert r.coords == {"pp": 0, "dp_shard": 0} and r.stages == [0]
+    planned = predict(compose([*overrides, "train.device=cpu", "run_dir=/nonexistent"]), 1024).ranks[0]
+    assert (r.param_bytes, r.grad_bytes, r.optim_state_bytes) == (
+        planned.param_bytes, planned.grad_bytes, planned.optim_state_bytes)
+    print(f"DeepSeek-V3 rank 0 dry run: peak {r.peak_bytes / 2**30:.1f} GiB, planner {planned.peak_bytes / 2**30:.1f}")
+    assert abs(planned.peak_bytes / r.peak_bytes - 1) < 0.10
+
+
+def test_mla_comm_bytes_match_the_planner():
+    """Multi-head latent attention under tp 2 x cp 2 (ring): tensor- and context-parallel bytes
+    equal the planner's, the all-reduce of the replicated latent down-projections' gradients and
+    the ring's k and v of different widths included (the grad norm's scalars left out)."""
+    overrides = ["model=tiny_mla", "model.moe.num_experts=0", "parallel.tp=2", "parallel.cp=2",
+                 "parallel.cp_method=ring", "train.global_batch_size=2"]
+    [r] = dry_run(overrides, 4, [0])
+    sent = {(dim, "send_recv" if kind == "send" else kind): s.sent_bytes
+            for dim, kinds in r.comm.items() if dim in ("tp", "cp") for kind, s in kinds.items() if s.sent_bytes}
+    assert sent == plan_of(overrides, 4)
+
+
 def test_llama3_8b_at_128k_on_64_ranks_cp2_tp4():
     """The long-context recipe (what the planner recommends, tests/test_planner.py) runs its step on
     64 fake ranks: the all-to-all bytes are the closed form and the planner's, and its peak fits an

@@ -37,7 +37,8 @@ def test_head_tail_shards_cover_the_sequence_once_and_balance_causal_work():
 
 
 # (heads, kv heads, with document ids): plain MHA, GQA with kv heads < cp, one kv head
-CASES = [(4, 4, False), (4, 2, True), (4, 1, False), (8, 2, True)]
+# (heads, kv heads, documents, value width): the last, values narrower than q/k, is MLA's case
+CASES = [(4, 4, False, 8), (4, 2, True, 8), (4, 1, False, 8), (8, 2, True, 8), (4, 4, True, 6)]
 
 
 def _attention_worker(rank: int, world: int, port: int):
@@ -49,17 +50,17 @@ def _attention_worker(rank: int, world: int, port: int):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
         for method in ("alltoall", "ring"):
             attend = ContextParallelAttention(mesh, method)
-            for h, hk, docs in CASES:
-                _check_case(attend, rank, world, h, hk, docs, f"{method} h={h} hk={hk} docs={docs}")
+            for h, hk, docs, dv in CASES:
+                _check_case(attend, rank, world, h, hk, docs, dv, f"{method} h={h} hk={hk} docs={docs} dv={dv}")
     finally:
         dist.destroy_process_group()
 
 
-def _check_case(attend, rank, cp, h, hk, docs, label):
+def _check_case(attend, rank, cp, h, hk, docs, dv, label):
     g = torch.Generator().manual_seed(h * 10 + hk)
     b, s, d = 2, 8 * cp, 8
-    q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (h, hk, hk))
-    dout = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
+    q, k, v = (torch.randn(b, n, s, width, generator=g, dtype=torch.float64) for n, width in ((h, d), (hk, d), (hk, dv)))
+    dout = torch.randn(b, h, s, dv, generator=g, dtype=torch.float64)
     doc_ids = torch.randint(0, 3, (b, s), generator=g).sort(dim=1).values if docs else None
     for t in (q, k, v):
         t.requires_grad_(True)

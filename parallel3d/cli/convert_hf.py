@@ -74,7 +74,10 @@ def parameter_shapes(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Size]:
     """
     stored = HuggingFaceStorageReader(str(step_dir)).read_metadata().state_dict_metadata
     with torch.device("meta"):
-        names = [name for name, _ in Transformer(cfg).named_parameters()]
+        model = Transformer(cfg)
+        names = [name for name, _ in model.named_parameters()]
+        if hf.exported_buffers(cfg):  # the sigmoid router's balancing bias, after the parameters
+            names += [name for name, _ in model.named_buffers() if name.endswith("expert_bias")]
     missing = [name for name in names if name not in stored]
     if missing:
         raise ValueError(f"{step_dir} lacks {len(missing)} parameters of its own model config, e.g. {missing[0]}")

@@ -24,11 +24,16 @@ from parallel3d.config import ModelConfig, RopeScaling, head_dim
 from parallel3d.lora import adapter_std, is_adapter
 from parallel3d.models.attention import rotary_tables, sdpa
 from parallel3d.models.kv_cache import BlockCache, KVCache
+from parallel3d.models.mla import (MultiHeadLatentAttention, mla_attention_flops, mla_params, rope_attention_factor,
+                                   rope_dim, yarn_frequencies)
 from parallel3d.models.moe import MoE, active_ffn_params, expert_hidden, is_moe_layer
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Rotation frequency of each channel pair; Llama 3.1 slows the low frequencies down."""
+    """Rotation frequency of each channel pair; Llama 3.1 slows the low frequencies down, YaRN
+    interpolates them (models/mla.py)."""
+    if scaling is not None and scaling.type == "yarn":
+        return yarn_frequencies(head_dim, theta, scaling)
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if scaling is None:
         return freqs.float()
@@ -98,7 +103,11 @@ class LocalAttention:
         return None  # 0 .. seq_len - 1
 
     def __call__(self, q, k, v, doc_ids=None):
-        return sdpa(q, k, v, doc_ids, doc_ids)
+        if v.shape[-1] == q.shape[-1]:
+            return sdpa(q, k, v, doc_ids, doc_ids)
+        # Values narrower than queries and keys (MLA): zero-padded to their width, flash kernels
+        # (one head dim for q, k and v) apply, not the math one, which keeps s x s scores.
+        return sdpa(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), doc_ids, doc_ids)[..., :v.shape[-1]]
 
 
 class FeedForward(nn.Module):
@@ -124,7 +133,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = MultiHeadLatentAttention(cfg, LocalAttention()) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = feed_forward(cfg, layer)
 
@@ -191,11 +200,12 @@ class Transformer(nn.Module):
         """The RoPE tables (buffers never saved): what a model loaded from a checkpoint needs besides its weights."""
         angles = torch.outer(
             torch.arange(self.cfg.max_seq_len, dtype=torch.float32),
-            rope_frequencies(head_dim(self.cfg), self.cfg.rope_theta, self.cfg.rope_scaling),
+            rope_frequencies(rope_dim(self.cfg), self.cfg.rope_theta, self.cfg.rope_scaling),
         )
         device = self.rope_cos.device  # every pipeline stage has the buffers, not every stage the embedding
-        self.rope_cos = angles.cos().to(device)
-        self.rope_sin = angles.sin().to(device)
+        factor = rope_attention_factor(self.cfg)  # YaRN's attention factor (1 without it)
+        self.rope_cos = (angles.cos() * factor).to(device)
+        self.rope_sin = (angles.sin() * factor).to(device)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -246,7 +256,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     hd = head_dim(cfg)
     attention = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * cfg.dim
+    scores = 12 * cfg.n_heads * hd * seq_len
+    if cfg.attention == "mla":  # its norms' weights count too, a rounding error
+        attention, scores = mla_params(cfg), mla_attention_flops(cfg, seq_len)
     moe_layers = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layers))
     ffn = (cfg.n_layers - moe_layers) * 3 * cfg.dim * cfg.ffn_dim + moe_layers * active_ffn_params(cfg)
     matmul_params = cfg.n_layers * attention + ffn + cfg.vocab_size * cfg.dim
-    return 6 * matmul_params + 12 * cfg.n_layers * cfg.n_heads * hd * seq_len
+    return 6 * matmul_params + cfg.n_layers * scores

@@ -44,8 +44,10 @@ from parallel3d.config import ModelConfig, MoEConfig
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Blocks every-1, 2*every-1, ... are MoE (``every=1``: all; ``every=2``: the odd ones)."""
-    return cfg.moe.num_experts > 0 and (layer + 1) % cfg.moe.every == 0
+    """Blocks every-1, 2*every-1, ... are MoE (``every=1``: all; ``every=2``: the odd ones), except
+    the first ``first_dense_layers``."""
+    moe = cfg.moe
+    return moe.num_experts > 0 and (layer + 1) % moe.every == 0 and layer >= moe.first_dense_layers
 
 
 def expert_hidden(cfg: ModelConfig) -> int:
@@ -77,12 +79,24 @@ class Router(nn.Module):
             weights, chosen = scores.topk(self.moe.top_k, dim=-1)
         else:
             affinity = logits.sigmoid()
-            chosen = (affinity + self.expert_bias).topk(self.moe.top_k, dim=-1).indices
+            chosen = self.limit_groups(affinity + self.expert_bias).topk(self.moe.top_k, dim=-1).indices
             weights = affinity.gather(-1, chosen)
             scores = affinity / affinity.sum(dim=-1, keepdim=True)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, chosen, scores
+        return weights * self.moe.routed_scaling_factor, chosen, scores
+
+    def limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's group-limited routing: experts come in ``n_group`` groups, a group scores
+        the sum of its best two choice scores, and a token may pick from its ``topk_group`` best
+        groups only (the others' scores become -inf)."""
+        n_group = self.moe.n_group
+        if n_group == 1:
+            return choice
+        grouped = choice.view(-1, n_group, self.moe.num_experts // n_group)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(self.moe.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view_as(choice)
 
 
 class ScaleGradient(torch.autograd.Function):

@@ -188,13 +188,14 @@ def _ring_forward(q, k, v, doc_ids, ring: _Ring, scale: float):
     c = q.shape[3] // 2
     q_halves, q_docs = _halves(q, 3), _halves(doc_ids, 1)
     outs, lses = [None, None], [None, None]
-    kv, k_doc = torch.stack([k, v]), doc_ids
+    kv, k_doc = torch.cat([k, v], dim=-1), doc_ids  # one message per hop; k and v may differ in width
+    dk = k.shape[-1]
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
         pending = []  # the next block travels while this one computes
         if step < ring.size - 1:
             pending = [ring.start_shift(t) for t in ((kv,) if k_doc is None else (kv, k_doc))]
-        k_halves, v_halves, k_docs = _halves(kv[0], 2), _halves(kv[1], 2), _halves(k_doc, 1)
+        k_halves, v_halves, k_docs = _halves(kv[..., :dk], 2), _halves(kv[..., dk:], 2), _halves(k_doc, 1)
         for i, j, causal in _visible_pairs(ring.rank, src, ring.size):
             s = _scores(q_halves[i], k_halves[j], _pair_mask(causal, q_docs[i], k_docs[j], c, q.device), scale)
             lse = torch.logsumexp(s, dim=-1)
@@ -223,15 +224,16 @@ def _ring_backward(dout, q, k, v, doc_ids, out, lse, ring: _Ring, scale: float):
     q_h, dout_h, lse_h, delta_h = (_halves(t, 3) for t in (q, dout, lse, delta))
     q_docs = _halves(doc_ids, 1)
     dq = [torch.zeros_like(q_h[0]), torch.zeros_like(q_h[1])]
-    kv, k_doc = torch.stack([k, v]), doc_ids
+    kv, k_doc = torch.cat([k, v], dim=-1), doc_ids
+    dk = k.shape[-1]
     own = torch.zeros_like(kv)  # this rank's block: its gradient stays here
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
         if step == 1:
             dkv = torch.zeros_like(kv)  # the previous rank's block: its gradient starts here
         target = own if step == 0 else dkv
-        k_halves, v_halves, k_docs = _halves(kv[0], 2), _halves(kv[1], 2), _halves(k_doc, 1)
-        dk_halves, dv_halves = _halves(target[0], 2), _halves(target[1], 2)
+        k_halves, v_halves, k_docs = _halves(kv[..., :dk], 2), _halves(kv[..., dk:], 2), _halves(k_doc, 1)
+        dk_halves, dv_halves = _halves(target[..., :dk], 2), _halves(target[..., dk:], 2)
         for i, j, causal in _visible_pairs(ring.rank, src, ring.size):
             s = _scores(q_h[i], k_halves[j], _pair_mask(causal, q_docs[i], k_docs[j], c, q.device), scale)
             p = torch.exp(s - lse_h[i][..., None])
@@ -247,7 +249,7 @@ def _ring_backward(dout, q, k, v, doc_ids, out, lse, ring: _Ring, scale: float):
         if step >= 1:
             dkv = ring.shift(dkv)  # after the last hop: this rank's own block's, from everyone else
     dkv = own + dkv
-    return torch.cat(dq, dim=3), dkv[0], dkv[1]
+    return torch.cat(dq, dim=3), dkv[..., :dk], dkv[..., dk:]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -271,7 +273,7 @@ def ring_attention(q, k, v, doc_ids, ring: _Ring):
     b, h, s, d = q.shape
     hk = k.shape[1]
     grouped = q.reshape(b, hk, h // hk, s, d)  # query head i uses kv head i // (h / hk), as SDPA's GQA
-    return _RingAttention.apply(grouped, k, v, doc_ids, ring).reshape(b, h, s, d)
+    return _RingAttention.apply(grouped, k, v, doc_ids, ring).reshape(b, h, s, v.shape[-1])
 
 
 # ---------------------------------------------------------------------------------------------

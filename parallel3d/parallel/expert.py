@@ -166,6 +166,25 @@ def _sum_over_world(values: torch.Tensor, world_group_size: int, device: torch.d
     return values.cpu()
 
 
+def _check_groups(moe, n_layers: int) -> None:
+    """DeepSeek-V3's group-limited routing and first dense blocks."""
+    if not moe.num_experts:
+        return
+    if not 0 <= moe.first_dense_layers < n_layers:
+        raise ConfigError("model.moe.first_dense_layers", moe.first_dense_layers, f"must be in 0..n_layers-1="
+                          f"{n_layers - 1}", "keep at least one MoE block, or set model.moe.num_experts=0")
+    if moe.n_group == 1:
+        return
+    per_group = moe.num_experts // max(moe.n_group, 1)
+    if moe.router != "sigmoid" or moe.n_group < 1 or moe.num_experts % moe.n_group or per_group < 2:
+        raise ConfigError("model.moe.n_group", moe.n_group, "group-limited routing (sigmoid router) needs groups "
+                          f"of >= 2 experts dividing num_experts={moe.num_experts}",
+                          "set model.moe.router=sigmoid and n_group to such a divisor, or n_group=1")
+    if not 1 <= moe.topk_group <= moe.n_group or moe.top_k > moe.topk_group * per_group:
+        raise ConfigError("model.moe.topk_group", moe.topk_group, f"must be in 1..n_group={moe.n_group} and hold "
+                          f"top_k={moe.top_k} experts", f"choose topk_group >= {-(-moe.top_k // per_group)}")
+
+
 def check_experts(m, p) -> None:
     """model.moe.* and parallel.ep (parallel3d/models/moe.py, parallel3d/parallel/expert.py)."""
     moe = m.moe
@@ -183,6 +202,7 @@ def check_experts(m, p) -> None:
                           "use 0 for dropless routing or a factor such as 1.25")
     if moe.router not in ("softmax", "sigmoid"):
         raise ConfigError("model.moe.router", moe.router, "unknown router", "use softmax or sigmoid")
+    _check_groups(moe, m.n_layers)
     if moe.num_experts and p.tp > 1 and not p.sequence_parallel:  # each tp rank routes its sequence shard
         raise ConfigError("parallel.sequence_parallel", False, "mixture-of-experts blocks under tensor parallelism "
                           "route each tp rank's sequence shard", "set parallel.sequence_parallel=true with parallel.tp > 1")

@@ -32,6 +32,15 @@ residual), so no activation is gathered for them; their weights are replicated o
 gradients, partial sums over the shards, are summed (``models.moe.token_local``). Shared experts
 are a dense feed-forward and split as one (colwise w1/w3, rowwise w2, the sequence gathered).
 Expert parallelism may borrow the tp ranks (``parallel.expert``).
+
+Multi-head latent attention (``model.attention=mla``, models/mla.py): the up-projections wq (or
+wq_b) and wkv_b are column-parallel (each rank computes its heads' queries, keys and values; a
+head's channels are contiguous rows) and wo row-parallel, as for grouped-query attention. The
+down-projections wq_a, wkv_a and their norms q_norm, kv_norm are replicated (``Replicated``): every
+tp rank computes the latents of the whole (gathered) sequence, and their gradients, partial sums
+over the ranks' heads, are summed by DTensor. They are small (rank x dim), so this costs a
+latent-sized all-reduce in backward; the shared RoPE key leaves DTensor as this rank's heads'
+partial gradient (``models.mla.replicated_local``).
 """
 
 from __future__ import annotations
@@ -108,6 +117,34 @@ BLOCK_SPLITS = {
     "feed_forward.w2": 1,
     "feed_forward.w3": 0,
 }
+# The same for multi-head latent attention (see the module docstring); without q_lora_rank it has wq.
+MLA_SPLITS = {
+    "attention.wq": 0,
+    "attention.wq_a": None,
+    "attention.q_norm": None,
+    "attention.wq_b": 0,
+    "attention.wkv_a": None,
+    "attention.kv_norm": None,
+    "attention.wkv_b": 0,
+    "attention.wo": 1,
+}
+
+
+def block_splits(attention: str, q_lora_rank: int) -> dict[str, int | None]:
+    """``BLOCK_SPLITS`` for this attention: the dims tp splits of one block's layers."""
+    if attention != "mla":
+        return BLOCK_SPLITS
+    ffn = {k: v for k, v in BLOCK_SPLITS.items() if not k.startswith("attention.")}
+    dropped = ("attention.wq_a", "attention.q_norm", "attention.wq_b") if not q_lora_rank else ("attention.wq",)
+    return {k: v for k, v in MLA_SPLITS.items() if k not in dropped} | ffn
+
+
+class Replicated(ParallelStyle):
+    """A layer every tp rank computes whole on a replicated DTensor input (MLA's down-projections
+    and their norms): its parameters become replicated DTensors, input and output stay DTensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, ReplicateParallel._replicate_params)
 
 
 class TokenLocal(ParallelStyle):
@@ -159,11 +196,13 @@ def residual_layout(sequence_parallel: bool):
     return Shard(1) if sequence_parallel else Replicate()
 
 
-def block_plan(sequence_parallel: bool, moe: MoE | None = None) -> dict:
-    """A transformer block's plan; ``moe``: its feed-forward is that mixture of experts."""
+def block_plan(sequence_parallel: bool, moe: MoE | None = None, splits: dict | None = None) -> dict:
+    """A transformer block's plan; ``moe``: its feed-forward is that mixture of experts; ``splits``:
+    its layers' (``block_splits``, default grouped-query attention's)."""
     residual = residual_layout(sequence_parallel)
-    plan = {name: ColwiseParallel() if dim == 0 else RowwiseParallel(output_layouts=residual)
-            for name, dim in BLOCK_SPLITS.items() if dim is not None}
+    styles = {0: ColwiseParallel, 1: lambda: RowwiseParallel(output_layouts=residual), None: Replicated}
+    plan = {name: styles[dim]() for name, dim in (splits or BLOCK_SPLITS).items()
+            if name not in ("attention_norm", "ffn_norm")}  # set below: sequence parallel or replicated
     # attention and feed_forward take their input as one Replicate DTensor (gathered along the
     # sequence first under sequence parallelism; x of (x, cos, sin): the rotary tables are plain
     # tensors). Then the gradients that wq/wk/wv (w1/w3) return for it are summed as one Partial
@@ -212,7 +251,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         parallelize_module(model.norm, tp_mesh, PrepareModuleOutput(
             output_layouts=residual_layout(sequence_parallel), desired_output_layouts=Replicate(),
             use_local_output=False))
+    splits = block_splits(model.cfg.attention, model.cfg.q_lora_rank)
     for block in model.layers.values():
         moe = block.feed_forward if isinstance(block.feed_forward, MoE) else None
-        plan = block_plan(sequence_parallel, moe)
+        plan = block_plan(sequence_parallel, moe, splits)
         parallelize_module(block, tp_mesh, float8_block_plan(block, plan) if float8 else plan)

@@ -86,13 +86,47 @@ def block_bytes(model: ModelShape, g: Geometry, mode: str, moe: bool = False) ->
     if mode == "op":  # SAC: matmul, SDPA and tp reduction outputs kept, everything else recomputed
         reductions = c * g.tokens_norm * D if t > 1 else 0  # after wo
         attention = block_input + c * T * (2 * D // t + 2 * kv // t + D) + lse + reductions
+        if model.attention == "mla":
+            attention = block_input + c * T * (mla_matmul_width(model, t) + D) + lse + reductions
         if moe:
             return attention + moe_bytes(model, g, "op") + stats
         return attention + c * T * (D + 2 * F // t) + reductions
     attention = c * T * (3 * D + 2 * kv) // t + lse + g.mask + (4 * T * D // H if g.token_rope else 0)
+    if model.attention == "mla":
+        attention = mla_bytes(model, g) + lse + g.mask
     if moe:
         return norm_bytes(model, g) + moe_norm_bytes(model, g) + attention + moe_bytes(model, g, "none") + stats
     return 2 * norm_bytes(model, g) + attention + 4 * c * T * F // t
+
+
+def mla_matmul_width(model: ModelShape, t: int) -> int:
+    """Channels per token of multi-head latent attention's matmul and SDPA outputs on a tp rank:
+    the replicated down-projections whole, the up-projections and SDPA's output per head."""
+    H, qk = model.n_heads, model.qk_head_dim
+    sdpa_out = qk if qk != model.v_head_dim else model.v_head_dim  # padded like v (``mla_bytes``)
+    up = H * (qk + model.qk_nope_head_dim + model.v_head_dim + sdpa_out) // t  # wq(_b), wkv_b, SDPA output
+    return model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim + up
+
+
+def mla_bytes(model: ModelShape, g: Geometry) -> int:
+    """What multi-head latent attention keeps (``models.mla``), but the logsumexp and the mask:
+    the down-projections' outputs (whole on every tp rank) and their norms' (as a block's RMSNorm,
+    the CPU's composite kernel keeping two float32 copies), q and k as SDPA gets them, the up-
+    projected k/v (SDPA's v is a view of it) or, where v is narrower than q/k, v zero-padded to
+    their width, SDPA's output (as wide as its v) and its head-merging copy; the RoPE
+    part of q as its rotation saves it: the up-projected q (float32: the rotation reads views of
+    it) or float32 copies of the rotated channels. Per-token RoPE tables: 4·T·rope."""
+    T, t, c, H = g.tokens, g.t, g.c, model.n_heads
+    qk, rope, R, Rq = model.qk_head_dim, model.qk_rope_head_dim, model.kv_lora_rank, model.q_lora_rank
+    norm_inside = 8 if g.cpu else c
+    latents = c * T * (R + rope) + norm_inside * T * R + c * T * R + 4 * T
+    if Rq:
+        latents += c * T * Rq + norm_inside * T * Rq + c * T * Rq + 4 * T
+    rotated = c * T * H * qk // t if c == 4 else 4 * T * H * rope // t
+    heads = c * T * H * (2 * qk + model.qk_nope_head_dim + 3 * model.v_head_dim) // t
+    if qk != model.v_head_dim:  # SDPA gets v zero-padded to qk (models/llama.py LocalAttention)
+        heads = c * T * H * (4 * qk + model.v_head_dim) // t
+    return latents + rotated + heads + (4 * T * rope if g.token_rope else 0)
 
 
 def moe_norm_bytes(model: ModelShape, g: Geometry) -> int:

@@ -31,7 +31,8 @@ When the code communicates (see ``parallel/data.py`` and torch's pipelining stag
   some (``parallel/activation.py``): full checkpointing the two all-gathers and the reduction
   after wo, op-level the all-gathers only. The embedding reduces its vocab-parallel output, the
   output projection gathers its input, and loss parallel all-reduces 3 floats per token. Norm
-  weights are replicated under sequence parallelism and their gradients partial sums, all-reduced
+  weights (and MLA's latent down-projections with their norms, ``parallel/tensor.py``) are
+  replicated under sequence parallelism and their gradients partial sums, all-reduced
   each time the data-parallel wrapper reduces gradients (FSDP: every micro batch), or once per
   step without one.
 * Pipeline: each microbatch sends its activations (b·s·dim·c, s/tp under sequence parallelism)
@@ -158,21 +159,23 @@ def data_parallel_group(layout: Layout) -> str:
 
 def _context_parallel(out: dict[str, float], model: ModelShape, stage: Stage, layout: Layout) -> None:
     """Per block and micro batch (``parallel/context.py``), q of T·H/t·hd and k, v of T·kv/t·hd
-    elements each, T this rank's tokens. alltoall: q, k, v and the output are exchanged once each
+    elements each, T this rank's tokens (MLA: q and k of qk channels a head, v and the output of
+    v_head_dim; its kv heads are its heads). alltoall: q, k, v and the output are exchanged once each
     in forward and their gradients in backward, k and v with their heads replicated up to
     lcm(kv/t, cp); ring: k and v go n - 1 hops in forward, again in backward together with their
     gradients. A block recomputed under activation checkpointing repeats its forward's part."""
-    g, n, hd = Geometry.of(layout), layout.cp, model.head_dim
-    q_bytes = g.tokens * model.n_heads // g.t * hd * g.c
+    g, n = Geometry.of(layout), layout.cp
+    width = model.qk_head_dim + model.value_head_dim  # a head's q and output, or k and v (MLA: 192 + 128)
+    q_bytes = g.tokens * model.n_heads // g.t * width * g.c  # q and the output
     kv_heads = model.n_kv_heads // g.t
     forwards = sum(1 + (checkpointed(layer, layout) != "none") for layer in stage.blocks)
     if layout.cp_method == "alltoall":
-        kv_bytes = g.tokens * math.lcm(kv_heads, n) * hd * g.c
-        per_pass = ring("all_to_all", 2 * q_bytes + 2 * kv_bytes, n)
+        kv_bytes = g.tokens * math.lcm(kv_heads, n) * width * g.c
+        per_pass = ring("all_to_all", q_bytes + kv_bytes, n)
         out["all_to_all"] += layout.micro_batches * (forwards + len(stage.blocks)) * per_pass
     else:
-        kv_bytes = g.tokens * kv_heads * hd * g.c
-        hops = (n - 1) * 2 * kv_bytes
+        kv_bytes = g.tokens * kv_heads * width * g.c
+        hops = (n - 1) * kv_bytes
         out["send_recv"] += layout.micro_batches * (forwards + 2 * len(stage.blocks)) * hops
 
 
@@ -221,6 +224,10 @@ def _tensor_parallel(out: dict[str, float], model: ModelShape, stage: Stage, lay
                                    + norm_side * ring("all_reduce", res, t))
         if untied_first:
             out["all_gather"] += mb * ring("all_gather", res, t)
+    if model.attention == "mla":  # its replicated latent down-projections and their norms, with or without SP
+        R, Rq = model.kv_lora_rank + model.qk_rope_head_dim, model.q_lora_rank
+        latent = len(stage.blocks) * ((Rq + R) * model.dim + Rq + model.kv_lora_rank)
+        out["all_reduce"] += norm_reductions * ring("all_reduce", latent * MASTER_BYTES, t)
     if stage.last:  # loss parallel: max, sum of exponentials and the target's logit per token
         out["all_reduce"] += mb * ring("all_reduce", 3 * g.tokens * 4, t)
 

@@ -18,7 +18,7 @@ from parallel3d.lora import canonical_targets
 from parallel3d.mesh import ParallelDims
 from parallel3d.muon import is_muon_parameter
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
-from parallel3d.parallel.tensor import BLOCK_SPLITS, outer_splits
+from parallel3d.parallel.tensor import block_splits, outer_splits
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Master weights, gradients and AdamW moments: the model is built in float32 and stays so;
@@ -47,16 +47,27 @@ class ModelShape:
     aux_loss: bool = False  # model.moe.aux_loss_coef > 0: its counts are summed over the ranks of a sequence
     router: str = "softmax"
     norm_topk_prob: bool = True
+    first_dense_layers: int = 0
+    attention: str = "gqa"  # model.attention; mla: the sizes below (models/mla.py)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     lora_rank: int = 0  # model.lora.rank: > 0 freezes the model and adds adapters to lora_targets
     lora_targets: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, m) -> "ModelShape":
         moe, lora = m.moe, m.lora
-        return cls(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings),
+        mla = {k: getattr(m, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                          "v_head_dim")} if m.attention == "mla" else {}
+        kv_heads = m.n_heads if m.attention == "mla" else m.n_kv_heads  # every MLA head has its own k and v
+        return cls(m.dim, m.n_layers, m.n_heads, kv_heads, m.ffn_dim, m.vocab_size, bool(m.tie_embeddings),
                    m.head_dim, bool(m.qk_norm), moe.num_experts, moe.top_k, moe.expert_ffn_dim or m.ffn_dim,
                    moe.shared_experts, moe.every, moe.aux_loss_coef > 0, moe.router, bool(moe.norm_topk_prob),
-                   lora.rank, canonical_targets(lora.targets) if lora.rank else ())
+                   moe.first_dense_layers, m.attention, **mla, lora_rank=lora.rank,
+                   lora_targets=canonical_targets(lora.targets) if lora.rank else ())
 
     @property
     def head_dim(self) -> int:
@@ -66,11 +77,21 @@ class ModelShape:
     def moe(self) -> MoEConfig:
         """As ``ModelConfig.moe``, for code that takes either (``models.flops_per_token``)."""
         return MoEConfig(num_experts=self.num_experts, top_k=self.top_k, expert_ffn_dim=self.expert_ffn_dim,
-                         shared_experts=self.shared_experts, every=self.moe_every)
+                         shared_experts=self.shared_experts, every=self.moe_every,
+                         first_dense_layers=self.first_dense_layers)
 
     def is_moe(self, layer: int) -> bool:
         """As ``models.moe.is_moe_layer``."""
-        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0 and layer >= self.first_dense_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Channels of a query or key head (MLA: RoPE-free and RoPE parts)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -201,7 +222,7 @@ class ParamSpec:
 
 
 def block_params(model: ModelShape, layer: int) -> list[ParamSpec]:
-    """A transformer block's parameters with the splits of ``parallel.tensor.BLOCK_SPLITS``:
+    """A transformer block's parameters with the splits of ``parallel.tensor.block_splits``:
     column-parallel wq wk wv w1 w3 split their output features (dim 0 of the weight), row-parallel
     wo w2 their input features (dim 1); the norms are replicated."""
     D, F, q, kv = model.dim, model.ffn_dim, model.n_heads * model.head_dim, model.kv_dim
@@ -209,8 +230,11 @@ def block_params(model: ModelShape, layer: int) -> list[ParamSpec]:
     shapes = {"attention_norm": (D,), "attention.wq": (q, D), "attention.wk": (kv, D), "attention.wv": (kv, D),
               "attention.wo": (D, q), "ffn_norm": (D,), "feed_forward.w1": (F, D), "feed_forward.w2": (D, F),
               "feed_forward.w3": (F, D)}
+    if model.attention == "mla":
+        shapes |= mla_shapes(model)
     moe = model.is_moe(layer)  # a MoE feed-forward replaces the dense one
-    params = [ParamSpec(f"{p}{name}.weight", shapes[name], dim) for name, dim in BLOCK_SPLITS.items()
+    splits = block_splits(model.attention, model.q_lora_rank)
+    params = [ParamSpec(f"{p}{name}.weight", shapes[name], dim) for name, dim in splits.items()
               if not (moe and name.startswith("feed_forward."))]
     if model.qk_norm:
         params += [ParamSpec(p + f"attention.{n}.weight", (model.head_dim,), None) for n in ("q_norm", "k_norm")]
@@ -231,6 +255,16 @@ def with_adapters(model: ModelShape, params: list[ParamSpec]) -> list[ParamSpec]
         adapters += [ParamSpec(f"{module}.lora_a", (r, in_features), 1 if spec.tp_dim == 1 else None),
                      ParamSpec(f"{module}.lora_b", (out_features, r), 0 if spec.tp_dim == 0 else None)]
     return [replace(spec, trainable=False) for spec in params] + adapters
+
+
+def mla_shapes(model: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Weight shapes of multi-head latent attention's layers (``models.mla``)."""
+    D, H, R, qk = model.dim, model.n_heads, model.kv_lora_rank, model.qk_head_dim
+    return {"attention.wq": (H * qk, D), "attention.wq_a": (model.q_lora_rank, D),
+            "attention.q_norm": (model.q_lora_rank,), "attention.wq_b": (H * qk, model.q_lora_rank),
+            "attention.wkv_a": (R + model.qk_rope_head_dim, D), "attention.kv_norm": (R,),
+            "attention.wkv_b": (H * (model.qk_nope_head_dim + model.v_head_dim), R),
+            "attention.wo": (D, H * model.v_head_dim)}
 
 
 def swiglu_params(prefix: str, D: int, F: int) -> list[ParamSpec]:

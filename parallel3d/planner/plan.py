@@ -144,7 +144,8 @@ def evaluate(model: ModelShape, layout: Layout, hardware: Hardware | None = None
         sharded = {s.index: 0 if grads_at_peak else stage_model_state(model, s, layout).grad_bytes for s in stages}
         in_flight = (peak_in_flight(layout, per_microbatch, pp_rank, unsharded, sharded)
                      if any(unsharded.values()) else None)
-        transient = transient_bytes(model, stages, layout, _backward_block_bytes(model, layout))
+        layers = [layer for s in stages for layer in s.blocks]
+        transient = transient_bytes(model, stages, layout, _backward_block_bytes(model, layout, layers))
         buffers = receive_buffer_bytes(model, stages, layout, in_flight_microbatches(layout, pp_rank))
         ranks.append(RankMemory(pp_rank, tuple(s.index for s in stages), state.param_bytes, state.grad_bytes,
                                 state.optim_state_bytes, activations, transient, per_microbatch, buffers,
@@ -177,13 +178,15 @@ def _reduced_once_per_step(layout: Layout) -> bool:
     return layout.zero_stage == 1 and layout.micro_batches > 1
 
 
-def _backward_block_bytes(model: ModelShape, layout: Layout) -> int:
+def _backward_block_bytes(model: ModelShape, layout: Layout, layers: list[int]) -> int:
     """Memory a block's backward needs beyond what is stored: a checkpointed block rematerializes
     what it did not keep, and gradients of its activations are about one more activation set."""
     g = Geometry.of(layout)
-    blocks = {(checkpointed(layer, layout), model.is_moe(layer)) for layer in range(model.n_layers)}
-    # The largest of the model's blocks (dense or MoE) in backward, as the estimate's worst case.
-    need = max(2 * block_bytes(model, g, "none", moe) - block_bytes(model, g, mode, moe) for mode, moe in blocks)
+    blocks = {(checkpointed(layer, layout), model.is_moe(layer)) for layer in layers}
+    # The largest of the rank's blocks (dense or MoE: DeepSeek-V3's first stage has dense ones
+    # only) in backward, as the estimate's worst case.
+    need = max((2 * block_bytes(model, g, "none", moe) - block_bytes(model, g, mode, moe) for mode, moe in blocks),
+               default=0)
     return need + ring_scores_bytes(model, layout)
 
 

@@ -1,0 +1,91 @@
+"""DeepSeek-V3 folders (multi-head latent attention, DeepSeek-V3's MoE) in and out: a tiny folder made
+with transformers builds our model from its config.json alone, loads its weights, and gives
+DeepseekV3ForCausalLM's logits; our config.json builds the same model in transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+
+from parallel3d import hf
+from parallel3d.checkpoint import Checkpointer, TrainState
+from parallel3d.config import CheckpointConfig, ModelConfig, compose
+from parallel3d.models import Transformer
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+            routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=12,
+            qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+            max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
+FOLDERS = {"q_lora": {}, "no_q_lora": {"q_lora_rank": None}, "yarn": {"rope_parameters": YARN}}
+
+
+def hf_folder(path, **changes):
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**(TINY | changes))
+    reference = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # a trained balancing bias, so that loading it matters
+        for layer in reference.model.layers[config.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+    reference.save_pretrained(path)
+    return reference
+
+
+def ours(path) -> tuple[Transformer, ModelConfig]:
+    """Our model as ``checkpoint.init_from`` builds it: config.json alone (no model key), then the weights."""
+    composed = compose([f"checkpoint.init_from={path}"])
+    assert composed.model.attention == "mla" and composed.model.name == path.name
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), composed.model))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(1)
+    Checkpointer(path, CheckpointConfig()).load_weights(path, TrainState([model]), cfg)
+    return model.eval(), cfg
+
+
+@pytest.mark.parametrize("name", FOLDERS)
+def test_logits_equal_transformers(tmp_path, name):
+    reference = hf_folder(tmp_path, **FOLDERS[name])
+    model, cfg = ours(tmp_path)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        got = model(tokens)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # Export names: our parameters and the router's bias are the folder's tensors, one to one.
+    ours_keys = [key for name, t in [*model.named_parameters(), *model.named_buffers()] if "rope_" not in name
+                 for key in hf.hf_tensors(name, t, cfg)]
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert sorted(ours_keys) == sorted(f.keys())
+    # Our config.json describes the same model to transformers.
+    again = transformers.DeepseekV3Config(**{k: v for k, v in hf.hf_config(cfg, torch.float32).items()
+                                             if k not in ("architectures", "model_type", "torch_dtype")})
+    for key in ("q_lora_rank", "kv_lora_rank", "first_k_dense_replace", "n_group", "topk_group",
+                "routed_scaling_factor", "num_key_value_heads", "head_dim"):
+        assert getattr(again, key) == getattr(reference.config, key), key
+    if name == "yarn":
+        assert {k: again.rope_parameters[k] for k in YARN} == YARN
+
+
+@pytest.mark.parametrize("name", ["q_lora", "yarn"])
+def test_greedy_generation_equals_transformers(tmp_path, name):
+    """Decoding with the KV cache (parallel3d.generate, what parallel3d-generate runs) from the imported
+    folder gives transformers' greedy ids."""
+    from parallel3d.generate import generate
+
+    reference = hf_folder(tmp_path, **FOLDERS[name])
+    model, _ = ours(tmp_path)
+    prompt = [5, 17, 99, 3, 42, 7]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert generate(model, prompt, max_new_tokens=24) == expected
+
