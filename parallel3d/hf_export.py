@@ -110,7 +110,7 @@ def write_hf_folder(out_dir: Path, *, cfg: ModelConfig, shapes: dict[str, torch.
     write_json(out_dir / "config.json", hf.hf_config(cfg, dtype) | {f"{k}_token_id": v for k, v in ids.items()})
 
 
-def save_state_dict(out_dir: Path, state: dict[str, torch.Tensor], *, cfg: ModelConfig, tokenizer: str,
+def save_state_dict(out_dir: Path, state: dict[str, torch.Tensor], *, cfg: ModelConfig, tokenizer: str | None,
                     dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9) -> None:
     """A folder from a full state dict with our parameter names (as ``Transformer.state_dict()``
     holds them; in its dtype unless ``dtype`` is given)."""
@@ -118,7 +118,10 @@ def save_state_dict(out_dir: Path, state: dict[str, torch.Tensor], *, cfg: Model
     from parallel3d.models import Transformer
 
     with torch.device("meta"):  # the model's order: each file holds neighbouring layers
-        names = [name for name, _ in Transformer(cfg).named_parameters()]
+        model = Transformer(cfg)
+        names = [name for name, _ in model.named_parameters()]
+        if hf.exported_buffers(cfg):  # the sigmoid router's balancing bias (DeepSeek-V3's folders keep it)
+            names += [name for name, _ in model.named_buffers() if name.endswith("expert_bias")]
     shapes = {name: state[name].shape for name in names}
     write_hf_folder(out_dir, cfg=cfg, shapes=shapes, dtype=dtype, tokenizer=tokenizer,
                     load=lambda part: {name: state[name].to(dtype) for name in part}, max_shard_bytes=max_shard_bytes)

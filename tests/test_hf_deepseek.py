@@ -89,3 +89,17 @@ def test_greedy_generation_equals_transformers(tmp_path, name):
                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert generate(model, prompt, max_new_tokens=24) == expected
 
+
+def test_the_folder_out_is_the_folder_in(tmp_path):
+    """train.save_model's writer (hf_export.save_state_dict) writes our DeepSeek-V3 model, the router's
+    balancing bias included, as a folder transformers loads with the same logits."""
+    from parallel3d.hf_export import save_state_dict
+
+    reference = hf_folder(tmp_path / "in", **FOLDERS["q_lora"])
+    model, cfg = ours(tmp_path / "in")
+    save_state_dict(tmp_path / "out", model.state_dict(), cfg=cfg, tokenizer=None)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, reference(tokens).logits, rtol=1e-5, atol=1e-5)
+

@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+from parallel3d import hf
 from parallel3d.data.tokenizer import tokenizer_file
 from parallel3d.hf_export import INDEX, plan_files, refuse_used, write_hf_folder  # noqa: F401  (INDEX, plan_files: the tool's API)
 from parallel3d.checkpoint import find_checkpoint

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from parallel3d.base import ConfigError, RunError, world_size_from_env
+from parallel3d.base import ConfigError, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState
 from parallel3d.config import Config, ParallelConfig
 from parallel3d.data import Workers, open_eval_corpus
