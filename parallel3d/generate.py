@@ -64,6 +64,24 @@ def load_model(step_dir: Path, *, device: torch.device | str = "cpu",
     return model.eval()
 
 
+def load_hf_model(folder: Path, *, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[Transformer, object]:
+    """A Hugging Face folder's model in this process, as ``checkpoint.init_from`` reads it (the
+    folder's config.json alone defines it), in eval mode; and the composed run config."""
+    from parallel3d.config import compose
+
+    composed = compose([f"checkpoint.init_from={folder}"])
+    cfg: ModelConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), composed.model))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.init_weights(0)  # RoPE tables and every buffer; the folder's weights replace the rest
+    Checkpointer(folder, CheckpointConfig()).load_weights(folder, TrainState([model]), cfg)
+    model.to(dtype)
+    model.init_rope()  # float32 tables, as training computes them
+    return model.eval(), composed
+
+
 def next_token(logits: torch.Tensor, *, temperature: float, top_p: float,
                generator: torch.Generator | None) -> int:
     """Greedy (temperature 0) or a sample from the temperature-scaled top-p nucleus of logits (vocab,)."""

@@ -76,9 +76,9 @@ def test_logits_equal_transformers(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["q_lora", "yarn"])
-def test_greedy_generation_equals_transformers(tmp_path, name):
-    """Decoding with the KV cache (parallel3d.generate, what parallel3d-generate runs) from the imported
-    folder gives transformers' greedy ids."""
+def test_greedy_generation_equals_transformers(tmp_path, capsys, name):
+    """Decoding with the KV cache (parallel3d.generate) from the imported folder gives transformers'
+    greedy ids; so does parallel3d-generate --token-ids on the folder."""
     from parallel3d.generate import generate
 
     reference = hf_folder(tmp_path, **FOLDERS[name])
@@ -88,6 +88,12 @@ def test_greedy_generation_equals_transformers(tmp_path, name):
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert generate(model, prompt, max_new_tokens=24) == expected
+    if name == "q_lora":  # the command line, on the folder itself (it has no tokenizer: ids in, ids out)
+        from parallel3d.cli.generate import main
+
+        assert main([str(tmp_path), "--prompt-ids", " ".join(map(str, prompt)), "--token-ids",
+                     "--max-new-tokens", "24", "--device", "cpu"]) == 0
+        assert capsys.readouterr().out.split() == [str(i) for i in expected]
 
 
 def test_the_folder_out_is_the_folder_in(tmp_path):

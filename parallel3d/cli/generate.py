@@ -7,7 +7,8 @@
 
 RUN_DIR_OR_CHECKPOINT: a run_dir or its checkpoints/ folder (the newest complete checkpoint that
 verifies) or one step_<N> folder. The model is the one the checkpoint's config.yaml describes; the
-tokenizer is its run's data.tokenizer (``byte`` or a Hugging Face tokenizer). Greedy at
+tokenizer is its run's data.tokenizer (``byte`` or a Hugging Face tokenizer). A Hugging Face folder
+works too, read as ``checkpoint.init_from`` reads it (its config.json and tokenizer, if it has one). Greedy at
 --temperature 0 (the default), else sampled with --top-p and --seed. Generation stops at the
 tokenizer's end-of-text token (with --chat also at the chat template's end of turn) or after
 --max-new-tokens. --token-ids prints the generated ids instead of text; --prompt-ids gives the
@@ -23,8 +24,9 @@ from pathlib import Path
 import torch
 
 from parallel3d.base import RunError
-from parallel3d.data.tokenizer import load_tokenizer
-from parallel3d.generate import generate, load_model, resolve_checkpoint, saved_config
+from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
+from parallel3d.generate import generate, load_hf_model, load_model, resolve_checkpoint, saved_config
+from parallel3d.hf_config import is_hf_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,7 +85,7 @@ def prompt_and_stops(args: argparse.Namespace, tokenizer, saved) -> tuple[list[i
 def chat_prompt(text: str, tokenizer, saved) -> tuple[list[int], tuple[int, ...]]:
     """``text`` as a user turn in the run's chat template, the assistant's turn opened; generation
     also stops at the template's end-of-turn token (``<|eot_id|>``, ``<|im_end|>``)."""
-    from parallel3d.data.chat import _end_of_turn, chat_token_ids, load_chat_template
+    from parallel3d.data.chat import end_of_turn_text, chat_token_ids, load_chat_template
 
     spec = str(saved.data.tokenizer)
     template = load_chat_template(tokenizer_spec=spec, template_file=saved.data.get("chat_template"))
@@ -92,19 +94,33 @@ def chat_prompt(text: str, tokenizer, saved) -> tuple[list[int], tuple[int, ...]
                        f"tokenizer_config.json). Fix: give --prompt without --chat")
     ids = chat_token_ids(tokenizer=tokenizer, template=template, messages=[{"role": "user", "content": text}],
                          add_generation_prompt=True)
-    end_of_turn = tokenizer.encode(_end_of_turn(template))  # one special token in the templates we know
+    end_of_turn = tokenizer.encode(end_of_turn_text(template))  # one special token in the templates we know
     stops = (tokenizer.eos_id, *end_of_turn) if len(end_of_turn) == 1 else (tokenizer.eos_id,)
     return ids, stops
+
+
+def open_model(args: argparse.Namespace):
+    """(the model, the config it trained or was imported with, where it came from, the tokenizer)."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    needed = not (args.prompt_ids and args.token_ids)
+    if is_hf_dir(args.checkpoint):
+        model, saved = load_hf_model(args.checkpoint, device=device, dtype=dtype)
+        if not tokenizer_file(args.checkpoint).is_file():  # a folder with weights and config.json only
+            if needed:
+                raise RunError(f"{args.checkpoint} has no tokenizer.json. Fix: give --prompt-ids and --token-ids")
+            return model, saved, args.checkpoint, None
+        return model, saved, args.checkpoint, open_tokenizer(str(saved.data.tokenizer), needed=needed)
+    step_dir = resolve_checkpoint(args.checkpoint, verify=args.verify)
+    saved = saved_config(step_dir)
+    tokenizer = open_tokenizer(str(saved.data.tokenizer), needed=needed)
+    return load_model(step_dir, device=device, dtype=dtype), saved, step_dir, tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        step_dir = resolve_checkpoint(args.checkpoint, verify=args.verify)
-        saved = saved_config(step_dir)
-        tokenizer = open_tokenizer(str(saved.data.tokenizer), needed=not (args.prompt_ids and args.token_ids))
+        model, saved, step_dir, tokenizer = open_model(args)
         prompt, stops = prompt_and_stops(args, tokenizer, saved)
-        model = load_model(step_dir, device=torch.device(args.device), dtype=DTYPES[args.dtype])
         ids = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, stop_ids=stops, seed=args.seed)
     except (RunError, ValueError) as e:

@@ -127,7 +127,7 @@ def chat_token_ids(*, tokenizer, template: ChatTemplate, messages: list[dict],
 
 
 @lru_cache(maxsize=8)
-def _end_of_turn(template: ChatTemplate) -> str:
+def end_of_turn_text(template: ChatTemplate) -> str:
     """The text the template closes an assistant turn with (``<|eot_id|>``, ``<|im_end|>``): what it
     writes after the reply of a final assistant message, trailing whitespace left out."""
     text = render_chat(template=template, messages=[{"role": "user", "content": "hi"},
@@ -152,7 +152,7 @@ def assistant_spans(*, template: ChatTemplate, messages: list[dict]) -> tuple[st
     differently from earlier ones (Qwen3 drops the reasoning of turns before the last query).
     """
     text = render_chat(template=template, messages=messages)
-    end_of_turn = _end_of_turn(template)
+    end_of_turn = end_of_turn_text(template)
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
