@@ -139,6 +139,12 @@ _DEEPSEEK_KEYS = {
 
 def _deepseek(hf: dict, path: Path) -> dict[str, tuple[str, object]]:
     """A deepseek_v3 config.json's model keys (deepseek_fields), each with its source key."""
+    if hf.get("quantization_config"):  # float8 blocks with scales: read as plain weights they would be wrong
+        _refuse(path, f"its weights are quantized ({hf['quantization_config'].get('quant_method', '?')})",
+                "use a bfloat16 or float32 copy of the model (DeepSeek's fp8_cast_bf16 script writes one)")
+    if hf.get("rope_interleave") is False:
+        _refuse(path, "its config.json has rope_interleave=false; parallel3d's MLA rotates interleaved pairs",
+                "use a folder with interleaved RoPE (DeepSeek-V3's own)")
     try:
         fields = deepseek_fields(hf)
     except KeyError as e:

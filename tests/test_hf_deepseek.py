@@ -4,6 +4,8 @@ DeepseekV3ForCausalLM's logits; our config.json builds the same model in transfo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -108,4 +110,14 @@ def test_the_folder_out_is_the_folder_in(tmp_path):
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(again(tokens).logits, reference(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("field, value", [("quantization_config", {"quant_method": "fp8"}), ("rope_interleave", False)])
+def test_weights_or_rope_the_model_cannot_read_are_refused(tmp_path, field, value):
+    from parallel3d.base import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", **TINY, field: value}))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the refusal comes first
+    with pytest.raises(ConfigError, match=f"checkpoint.init_from=.*{'quantized' if field[0] == 'q' else field}"):
+        compose([f"checkpoint.init_from={tmp_path}"])
 
