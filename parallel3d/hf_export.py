@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from parallel3d import hf
 from parallel3d.config import ModelConfig
+from parallel3d.data.chat import load_chat_template
 from parallel3d.data.tokenizer import ID_FILES, TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 
 INDEX = "model.safetensors.index.json"
@@ -155,6 +156,9 @@ def write_tokenizer(out_dir: Path, spec: str, *, model_max_length: int) -> None:
                 shutil.copyfile(path / name, out_dir / name)
     else:
         shutil.copyfile(path, out_dir / TOKENIZER_FILE)
+        found = load_chat_template(tokenizer_spec=spec)  # the one instruction data rendered with: the file's folder's
+        if found is not None:
+            (out_dir / "chat_template.jinja").write_text(found.source)
     if not (out_dir / "tokenizer_config.json").is_file():
         tok = load_tokenizer(spec)
         name = (lambda i: None if i is None else BYTE_EOS if spec == "byte" else tok.token(i))
@@ -173,20 +177,12 @@ def generation_config(out_dir: Path, ids: dict[str, int | None]) -> dict:
     """Stop at eos, and at the chat template's end of turn where that is another token
     (Qwen3 base: <|endoftext|> and <|im_end|>)."""
     tok = load_tokenizer(str(out_dir))
-    template = chat_template(out_dir)
+    found = load_chat_template(tokenizer_spec=str(out_dir))
+    template = found.source if found else ""
     ends = [ids["eos"]] + [i for token in END_OF_TURN if token in template
                            for i in [tok.token_id(token)] if i is not None and i != ids["eos"]]
     return {"bos_token_id": ids["bos"], "eos_token_id": ends[0] if len(ends) == 1 else ends,
             "pad_token_id": ids["pad"] if ids["pad"] is not None else ids["eos"], "do_sample": False}
-
-
-def chat_template(folder: Path) -> str:
-    """The folder's chat template text (chat_template.jinja, else tokenizer_config.json's), or ''."""
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
-    config = folder / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-    return template if isinstance(template, str) else json.dumps(template or "")
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -129,4 +129,12 @@ def test_tokenizer_files_out(tmp_path):
     bare = transformers.AutoTokenizer.from_pretrained(tmp_path / "bare")
     assert (bare.eos_token, bare.eos_token_id, bare.model_max_length) == ("<|endoftext|>", ids[0], 64)
     assert bare.encode(TEXT[0], add_special_tokens=False) == tokenizer.encode(TEXT[0], add_special_tokens=False)
-    assert generation_config(tmp_path / "bare", token_ids(tmp_path / "bare"))["eos_token_id"] == ids[0]  # no template
+    # The template of the file's folder comes along: instruction data rendered with it.
+    assert generation_config(tmp_path / "bare", token_ids(tmp_path / "bare"))["eos_token_id"] == ids
+    assert bare.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    (tmp_path / "alone").mkdir()  # a tokenizer.json with no template beside it
+    shutil.copyfile(source / "tokenizer.json", tmp_path / "alone" / "tokenizer.json")
+    (tmp_path / "alone-out").mkdir()
+    write_tokenizer(tmp_path / "alone-out", str(tmp_path / "alone" / "tokenizer.json"), model_max_length=64)
+    assert generation_config(tmp_path / "alone-out", token_ids(tmp_path / "alone-out"))["eos_token_id"] == ids[0]

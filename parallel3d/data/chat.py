@@ -19,6 +19,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from parallel3d.data.tokenizer import tokenizer_folder
+
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _PROBE = "\x00assistant-reply\x00"
 
@@ -35,12 +37,9 @@ class ChatTemplate:
         return hash((self.source, tuple(sorted(self.special_tokens.items()))))
 
 
-def tokenizer_folder(tokenizer_spec: str) -> Path | None:
-    """The folder holding a tokenizer: the spec itself if it is a folder, else its file's folder."""
-    if tokenizer_spec == "byte":
-        return None
-    path = Path(tokenizer_spec).expanduser()
-    return path if path.is_dir() else path.parent
+def template_folder(tokenizer_spec: str) -> Path | None:
+    """Where a tokenizer's chat template may be: its folder (none for the byte tokenizer)."""
+    return None if tokenizer_spec == "byte" else tokenizer_folder(tokenizer_spec)
 
 
 def _token_text(value: Any) -> str | None:
@@ -60,7 +59,7 @@ def _template_from_config(config: dict) -> str | None:
 def load_chat_template(*, tokenizer_spec: str, template_file: str | None = None) -> ChatTemplate | None:
     """The template ``template_file`` holds, else the tokenizer folder's own (``chat_template.jinja``
     first, as transformers reads it, then tokenizer_config.json); None where there is none."""
-    folder = tokenizer_folder(tokenizer_spec)
+    folder = template_folder(tokenizer_spec)
     config_path = folder / "tokenizer_config.json" if folder else None
     config = json.loads(config_path.read_text()) if config_path and config_path.is_file() else {}
     special = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None}
