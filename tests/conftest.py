@@ -169,14 +169,16 @@ def prefetch_selected(request, parity: Parity, layouts: list[Layout], param: str
                      for layout in layouts if layout.name in wanted})
 
 
-# The files that take longest (a 2-core run, README "Tests"). pytest-xdist hands whole files to its
-# workers in collection order: started first, none of them is left running alone at the end.
-LONGEST_FIRST = ("test_dryrun.py", "test_parallel_pipeline_zero.py", "test_checkpoint.py", "test_recovery.py",
-                 "test_checkpoint_failures.py",
-                 "test_launch_multinode.py", "test_parallel_expert.py", "test_parallel_pipeline.py", "test_train.py",
-                 "test_planner.py", "test_precision.py", "test_parallel_tensor.py", "test_parallel_context.py",
-                 "test_hf.py", "test_validate.py", "test_parallel_data.py", "test_evaluate.py",
-                 "test_observability.py", "test_guard.py", "test_data_integrity.py", "test_watchdog.py")
+# The files that take longest, by CPU seconds on a quiet run (P3D_TEST_CPU_LOG), the most first.
+# pytest-xdist hands whole files to its workers in collection order: started first, none of them is
+# left running alone at the end.
+LONGEST_FIRST = ("test_checkpoint.py", "test_dryrun.py", "test_parallel_pipeline.py", "test_parallel_expert.py",
+                 "test_parallel_pipeline_zero.py", "test_recovery.py", "test_train.py", "test_parallel_tensor.py",
+                 "test_launch_multinode.py", "test_precision.py", "test_parallel_context.py", "test_evaluate.py",
+                 "test_parallel_activation.py", "test_parallel_data.py", "test_lora.py", "test_planner_activations.py",
+                 "test_parallel_mla.py", "test_checkpoint_failures.py", "test_parallel_float8.py", "test_muon.py",
+                 "test_data_corpus.py", "test_guard.py", "test_hf.py", "test_faults.py", "test_benchmarks.py",
+                 "test_validate.py", "test_observability.py", "test_finetune.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
