@@ -80,11 +80,13 @@ def refuse_used(out_dir: Path) -> None:
 
 def write_hf_folder(out_dir: Path, *, cfg: ModelConfig, shapes: dict[str, torch.Size], dtype: torch.dtype,
                     load: Callable[[dict[str, torch.Size]], dict[str, torch.Tensor]], tokenizer: str | None,
-                    max_shard_bytes: int = 5 * 10**9, say: Callable[[str], None] = lambda line: None) -> None:
+                    chat_template: str | None = None, max_shard_bytes: int = 5 * 10**9,
+                    say: Callable[[str], None] = lambda line: None) -> None:
     """The whole folder. ``shapes``: our parameter names in the model's order and their full
     shapes; ``load(shapes)``: those parameters in full, in ``dtype`` (called once per output file,
     so at most one file's tensors are in memory); ``tokenizer``: the run's data.tokenizer (None:
-    not available here; then no tokenizer files and no token ids)."""
+    not available here; then no tokenizer files and no token ids); ``chat_template``: the run's
+    data.chat_template file, which replaces the tokenizer folder's template."""
     hf.check_exportable(cfg)
     refuse_used(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,14 +107,15 @@ def write_hf_folder(out_dir: Path, *, cfg: ModelConfig, shapes: dict[str, torch.
         write_json(out_dir / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     ids = {}
     if tokenizer is not None:
-        write_tokenizer(out_dir, tokenizer, model_max_length=cfg.max_seq_len)
+        write_tokenizer(out_dir, tokenizer, model_max_length=cfg.max_seq_len, chat_template=chat_template)
         ids = token_ids(out_dir)
         write_json(out_dir / "generation_config.json", generation_config(out_dir, ids))
     write_json(out_dir / "config.json", hf.hf_config(cfg, dtype) | {f"{k}_token_id": v for k, v in ids.items()})
 
 
 def save_state_dict(out_dir: Path, state: dict[str, torch.Tensor], *, cfg: ModelConfig, tokenizer: str | None,
-                    dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9) -> None:
+                    chat_template: str | None = None, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = 5 * 10**9) -> None:
     """A folder from a full state dict with our parameter names (as ``Transformer.state_dict()``
     holds them; in its dtype unless ``dtype`` is given)."""
     dtype = dtype or next(iter(state.values())).dtype
@@ -124,11 +127,12 @@ def save_state_dict(out_dir: Path, state: dict[str, torch.Tensor], *, cfg: Model
         if hf.exported_buffers(cfg):  # the sigmoid router's balancing bias (DeepSeek-V3's folders keep it)
             names += [name for name, _ in model.named_buffers() if name.endswith("expert_bias")]
     shapes = {name: state[name].shape for name in names}
-    write_hf_folder(out_dir, cfg=cfg, shapes=shapes, dtype=dtype, tokenizer=tokenizer,
+    write_hf_folder(out_dir, cfg=cfg, shapes=shapes, dtype=dtype, tokenizer=tokenizer, chat_template=chat_template,
                     load=lambda part: {name: state[name].to(dtype) for name in part}, max_shard_bytes=max_shard_bytes)
 
 
-def save_run_model(run_dir: Path, state: dict[str, torch.Tensor], *, model_cfg: ModelConfig, tokenizer: str) -> str:
+def save_run_model(run_dir: Path, state: dict[str, torch.Tensor], *, model_cfg: ModelConfig, tokenizer: str,
+                   chat_template: str | None = None) -> str:
     """train.save_model: ``run_dir/hf/``, in the weights' own dtype. A model no Hugging Face family
     here has (shared experts, the sigmoid router) keeps our names in ``run_dir/model.safetensors``
     instead. Returns the console line saying which."""
@@ -138,15 +142,16 @@ def save_run_model(run_dir: Path, state: dict[str, torch.Tensor], *, model_cfg: 
         save_file({k: v.contiguous() for k, v in state.items()}, str(run_dir / "model.safetensors"))
         return f"parallel3d: wrote {run_dir / 'model.safetensors'} (parallel3d names), not a Hugging Face folder: {e}"
     shutil.rmtree(run_dir / "hf", ignore_errors=True)  # this run's own earlier end (a resumed run ends again)
-    save_state_dict(run_dir / "hf", state, cfg=model_cfg, tokenizer=tokenizer)
+    save_state_dict(run_dir / "hf", state, cfg=model_cfg, tokenizer=tokenizer, chat_template=chat_template)
     return f"parallel3d: Hugging Face folder written to {run_dir / 'hf'}"
 
 
 # -- the tokenizer ----------------------------------------------------------------------------------
 
 
-def write_tokenizer(out_dir: Path, spec: str, *, model_max_length: int) -> None:
-    """The run's tokenizer files; for a bare tokenizer.json (or byte tokens) a tokenizer_config.json too."""
+def write_tokenizer(out_dir: Path, spec: str, *, model_max_length: int, chat_template: str | None = None) -> None:
+    """The run's tokenizer files; for a bare tokenizer.json (or byte tokens) a tokenizer_config.json
+    too; ``chat_template`` (data.chat_template, a file) as the folder's template."""
     path = Path(spec).expanduser()
     if spec == "byte":
         write_json(out_dir / TOKENIZER_FILE, byte_tokenizer_json())
@@ -165,6 +170,8 @@ def write_tokenizer(out_dir: Path, spec: str, *, model_max_length: int) -> None:
         write_json(out_dir / "tokenizer_config.json", {
             "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(tok.bos_id), "eos_token": name(tok.eos_id),
             "pad_token": name(tok.pad_id), "model_max_length": model_max_length, "clean_up_tokenization_spaces": False})
+    if chat_template:  # the run's own template; transformers, like data.chat, reads chat_template.jinja first
+        (out_dir / "chat_template.jinja").write_text(Path(chat_template).expanduser().read_text())
 
 
 def token_ids(out_dir: Path) -> dict[str, int | None]:

@@ -113,7 +113,8 @@ def train(cfg: DictConfig) -> Path:
             write_adapter(run_dir / "hf_adapter", split_adapters(state)[1], c.model, c.checkpoint.init_from or None)
             state = merged_state(state, c.model.lora)
         if is_rank0:
-            print(save_run_model(run_dir, state, model_cfg=c.model, tokenizer=c.data.tokenizer), flush=True)
+            print(save_run_model(run_dir, state, model_cfg=c.model, tokenizer=c.data.tokenizer,
+                                 chat_template=c.data.chat_template), flush=True)
     return run_dir
 
 

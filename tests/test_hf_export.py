@@ -138,3 +138,11 @@ def test_tokenizer_files_out(tmp_path):
     (tmp_path / "alone-out").mkdir()
     write_tokenizer(tmp_path / "alone-out", str(tmp_path / "alone" / "tokenizer.json"), model_max_length=64)
     assert generation_config(tmp_path / "alone-out", token_ids(tmp_path / "alone-out"))["eos_token_id"] == ids[0]
+    # data.chat_template=FILE: the run's own template replaces the folder's in the export.
+    own = tmp_path / "own.jinja"
+    own.write_text("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
+    (tmp_path / "own-out").mkdir()
+    write_tokenizer(tmp_path / "own-out", str(source), model_max_length=64, chat_template=str(own))
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "own-out")
+    assert exported.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        "<|im_start|>hi<|im_end|>"

@@ -138,9 +138,19 @@ def export(checkpoint: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
     if adapter_dir is not None:
         write_adapter(adapter_dir, load_tensors(step_dir, adapters, torch.float32), cfg, cfg_base_model(step_dir))
     write_hf_folder(out_dir, cfg=cfg, shapes=parameter_shapes(step_dir, cfg), dtype=dtype, tokenizer=_tokenizer(step_dir),
+                    chat_template=_chat_template(step_dir),
                     load=merged_loader(step_dir, cfg, dtype, adapters), max_shard_bytes=max_shard_bytes,
                     say=lambda line: print(line, flush=True))
     return step_dir
+
+
+def _chat_template(step_dir: Path) -> str | None:
+    """The checkpoint's data.chat_template file, if it set one and this machine has it."""
+    template = OmegaConf.load(step_dir / "config.yaml").data.get("chat_template")
+    if template and not Path(template).expanduser().is_file():
+        print(f"note: chat template {template} not found here; the folder keeps its tokenizer's", file=sys.stderr)
+        return None
+    return template or None
 
 
 def _tokenizer(step_dir: Path) -> str | None:
