@@ -1,0 +1,61 @@
+"""The checkpoint section of validation: checkpoint.* keys, and what a resume or ``init_from``
+would load against the model this run builds (one ConfigError line before any process group)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from parallel3d import hf, hf_config
+from parallel3d.base import ConfigError
+from parallel3d.checkpoint import find_checkpoint
+from parallel3d.manifest import VERIFY_MODES
+
+# The model shape a checkpoint must share with the run that loads it (the layout may differ).
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+
+
+def run_dir_of(cfg) -> Path | None:
+    """The run's directory, where a config knows it (outside a Hydra run, from run_dir)."""
+    try:
+        return Path(str(cfg.run_dir)).expanduser()
+    except (OmegaConfBaseException, ValueError):  # Hydra's own run dir is known only inside a Hydra run
+        return None
+
+
+def check_checkpoint(ck, m, run_dir: Path | None) -> None:
+    """checkpoint.* against the run: modes, and a resume or init_from of the same model's shape."""
+    for key in ("every", "keep_last"):
+        if getattr(ck, key) < 0:
+            raise ConfigError(f"checkpoint.{key}", getattr(ck, key), "must be >= 0", "use 0 (off / keep all) or N")
+    if ck.verify not in VERIFY_MODES:
+        raise ConfigError("checkpoint.verify", ck.verify, "unknown mode", f"use one of {', '.join(VERIFY_MODES)}")
+    if ck.resume == "auto" and run_dir is not None and (found := find_checkpoint(run_dir / "checkpoints")):
+        _check_saved_shape("checkpoint.resume", ck.resume, found, m)
+    if ck.resume not in ("auto", "none"):
+        found = find_checkpoint(Path(ck.resume).expanduser())
+        if found is None:
+            raise ConfigError("checkpoint.resume", ck.resume, "no complete checkpoint there", "give a step_<N> "
+                              "folder, a checkpoints/ folder or a run_dir holding one, or use auto or none")
+        _check_saved_shape("checkpoint.resume", ck.resume, found, m)
+    if ck.init_from:
+        path = Path(ck.init_from).expanduser()
+        if hf.is_hf_dir(path):
+            hf_config.check_agrees(path, m)
+        elif (found := find_checkpoint(path)) is None:
+            raise ConfigError("checkpoint.init_from", ck.init_from, "neither a checkpoint nor a Hugging Face "
+                              "folder (config.json + *.safetensors)", "check the path")
+        else:
+            _check_saved_shape("checkpoint.init_from", ck.init_from, found, m)
+
+
+def _check_saved_shape(key: str, value: str, checkpoint: Path, m) -> None:
+    saved = OmegaConf.load(checkpoint / "config.yaml").model
+    for name in SHAPE_KEYS:
+        if saved[name] != m[name]:
+            raise ConfigError(key, value, f"{checkpoint.name} holds a model with model.{name}={saved[name]}, this "
+                              f"run builds model.{name}={m[name]}", f"set model.{name}={saved[name]} (the layout "
+                              f"may change freely, the model's shape may not)")
+
