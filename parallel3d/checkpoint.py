@@ -42,9 +42,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-from parallel3d import hf, hf_config
+from parallel3d import hf
+from parallel3d.config import hf_folder
 from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
-from parallel3d.config import CheckpointConfig
+from parallel3d.config.schema import CheckpointConfig
 from parallel3d.lora import is_adapter
 from parallel3d.manifest import file_entries, verify_manifest, write_manifest
 from parallel3d.optim import init_optimizer_state, set_schedule_step
@@ -325,7 +326,7 @@ class Checkpointer:
     def load_weights(self, path: Path, state: TrainState, model_cfg) -> None:
         """Initial weights only, from one of our checkpoints or a Hugging Face Llama folder."""
         if hf.is_hf_dir(path):
-            hf_config.check_agrees(path, model_cfg)
+            hf_folder.check_agrees(path, model_cfg)
             targets, copies = _model_targets(state, lambda name, param: hf.hf_tensors(name, param, model_cfg))
             if hf.exported_buffers(model_cfg):
                 targets |= {key: t for name, buf in state.persistent_buffers().items()

@@ -8,7 +8,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallel3d import hf, hf_config
+from parallel3d import hf
+from parallel3d.config import hf_folder
 from parallel3d.base import ConfigError
 from parallel3d.checkpoint import find_checkpoint
 from parallel3d.manifest import VERIFY_MODES
@@ -43,7 +44,7 @@ def check_checkpoint(ck, m, run_dir: Path | None) -> None:
     if ck.init_from:
         path = Path(ck.init_from).expanduser()
         if hf.is_hf_dir(path):
-            hf_config.check_agrees(path, m)
+            hf_folder.check_agrees(path, m)
         elif (found := find_checkpoint(path)) is None:
             raise ConfigError("checkpoint.init_from", ck.init_from, "neither a checkpoint nor a Hugging Face "
                               "folder (config.json + *.safetensors)", "check the path")

@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from parallel3d import hf_deepseek
-from parallel3d.config import ModelConfig, head_dim
-from parallel3d.hf_config import is_hf_dir  # noqa: F401  (re-exported: callers ask hf whether a folder is one)
+from parallel3d.config.schema import ModelConfig, head_dim
+from parallel3d.config.hf_folder import is_hf_dir  # noqa: F401  (re-exported: callers ask hf whether a folder is one)
 
 _BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallel3d.config import ModelConfig
+from parallel3d.config.schema import ModelConfig
 
 FAMILY = "deepseek_v3"
 ARCHITECTURE = "DeepseekV3ForCausalLM"

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from parallel3d import hf
-from parallel3d.config import ModelConfig
+from parallel3d.config.schema import ModelConfig
 from parallel3d.data.chat import load_chat_template
 from parallel3d.data.tokenizer import ID_FILES, TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from parallel3d.base import ConfigError
-from parallel3d.config import LoRAConfig
+from parallel3d.config.schema import LoRAConfig
 
 # Our projection names, and Hugging Face's (Llama, Qwen3) for them.
 TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")

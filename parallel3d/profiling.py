@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from parallel3d.base import RunError
-from parallel3d.config import Config
+from parallel3d.config.schema import Config
 from parallel3d.failures import log_path
 from parallel3d.metrics import max_memory_bytes
 

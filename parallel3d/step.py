@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from parallel3d.config import Config
+from parallel3d.config.schema import Config
 from parallel3d.data import BatchSpec
 from parallel3d.data.documents import document_inputs, document_positions
 from parallel3d.guard import BadStepGuard, poison

@@ -26,14 +26,14 @@ from torch.distributed.checkpoint import CheckpointException
 from parallel3d import hf, watchdog
 from parallel3d.base import ConfigError, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, full_model_state
-from parallel3d.config import CONF_DIR, Config, register_configs, user_set_keys
+from parallel3d.config.schema import CONF_DIR, Config, register_configs, user_set_keys
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
 from parallel3d.data.checks import check_corpus, check_heldout
 from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.distributed import init_distributed, report_hangs_in
 from parallel3d.evaluate import Evaluator
 from parallel3d.guard import BadStepGuard, TrainingDiverged
-from parallel3d.hf_config import apply_hf_folder, describe
+from parallel3d.config.hf_folder import apply_hf_folder, describe
 from parallel3d.hf_export import save_run_model
 from parallel3d.lora import apply_lora
 from parallel3d.lora_hf import merged_state, split_adapters, write_adapter
@@ -53,7 +53,7 @@ from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, registe
                                shared_run_dir, unwritable_run_dir)
 from parallel3d.signals import Interrupted, StopSignals, Stopped, interruptible
 from parallel3d.step import Setup, build_setup, train_step
-from parallel3d.strictconfig import RecipeError
+from parallel3d.config.strict import RecipeError
 from parallel3d.validate import check
 
 

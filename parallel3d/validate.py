@@ -95,8 +95,8 @@ def _check_known_keys(cfg) -> None:
     """A key the schema lacks (added with ``+``, which Hydra lets past the struct check) is refused."""
     from omegaconf import OmegaConf
 
-    from parallel3d.config import Config
-    from parallel3d.strictconfig import closest_key, unknown_keys
+    from parallel3d.config.schema import Config
+    from parallel3d.config.strict import closest_key, unknown_keys
 
     if not OmegaConf.is_config(cfg):  # a Config dataclass (the planner's callers): no key can be unknown
         return
@@ -104,7 +104,7 @@ def _check_known_keys(cfg) -> None:
     for key in unknown_keys({k: v for k, v in tree.items() if k != "hydra"}, Config):
         near = closest_key(key, Config)
         raise ConfigError(key, OmegaConf.select(cfg, key, throw_on_resolution_failure=False),
-                          "not a key of the config schema", f"use {near}" if near else "remove it (see parallel3d/config.py)")
+                          "not a key of the config schema", f"use {near}" if near else "remove it (see parallel3d/config/schema.py)")
 
 
 def _strategy_stage(p) -> int | None:

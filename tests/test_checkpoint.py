@@ -24,7 +24,7 @@ import parallel3d.manifest as manifest_module
 from parallel3d.base import RunError
 from parallel3d.checkpoint import COMPLETE, Checkpointer, TrainState, complete_steps, find_checkpoint
 from parallel3d.checkpoint_failures import CheckpointError
-from parallel3d.config import CheckpointConfig, ModelConfig, OptimConfig
+from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.manifest import read_manifest
 from parallel3d.models import Transformer
 from parallel3d.optim import build_lr_scheduler

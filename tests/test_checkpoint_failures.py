@@ -21,7 +21,7 @@ from conftest import FAST, Run, launch, launch_batch
 from parallel3d.base import RunError
 from parallel3d.checkpoint import COMPLETE, Checkpointer, TrainState, complete_steps
 from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, checkpoint_errors
-from parallel3d.config import CheckpointConfig, ModelConfig
+from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.failures import report_failure
 from parallel3d.manifest import MANIFEST, read_manifest
 from parallel3d.models import Transformer

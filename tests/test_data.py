@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from parallel3d.config import PROJECT_ROOT
+from parallel3d.config.schema import PROJECT_ROOT
 from parallel3d.data import (BatchSpec, ByteTokenizer, HFTokenizer, StepSampler, TokenFile, load_tokenizer,
                              stdlib_token_file, text_files, write_token_file)
 

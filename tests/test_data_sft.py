@@ -9,7 +9,7 @@ import pytest
 
 from chat_files import chat_tokenizer_folder, write_jsonl
 from parallel3d.base import ConfigError
-from parallel3d.config import compose
+from parallel3d.config.schema import compose
 from parallel3d.data.sft import (IGNORE, STARTS, TRAINED, RowStats, SFTSpec, build_rows, render_sample,
                                  row_micro_batches)
 from parallel3d.data.tokenizer import ByteTokenizer
@@ -98,7 +98,7 @@ def untemplated(tmp_path_factory):
     ({"format": "chat", "sources": []}, "data.format"),
 ])
 def test_bad_instruction_configs_are_refused_with_one_line(untemplated, keys, refused):
-    from parallel3d.config import DataConfig
+    from parallel3d.config.schema import DataConfig
     from parallel3d.data.checks import check_instruction_data
 
     tokenizer, bad = untemplated

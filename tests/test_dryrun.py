@@ -21,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from conftest import FAST, launch
-from parallel3d.config import ModelConfig, compose
+from parallel3d.config.schema import ModelConfig, compose
 from parallel3d.dryrun import RankReport, dry_run, run_rank
 from parallel3d.models import Transformer, num_params
 from parallel3d.planner import predict

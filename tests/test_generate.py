@@ -23,7 +23,7 @@ from data_files import documents, write_jsonl
 from parallel3d import hf
 from parallel3d.cli import convert_hf
 from parallel3d.cli import generate as generate_cli
-from parallel3d.config import ModelConfig, compose
+from parallel3d.config.schema import ModelConfig, compose
 from parallel3d.data.tokenizer import load_tokenizer
 from parallel3d.generate import generate, load_model
 from parallel3d.models import Transformer

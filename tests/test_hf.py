@@ -23,7 +23,7 @@ from conftest import FAST, Run, env, launch, relative_error
 from parallel3d import hf
 from parallel3d.checkpoint import Checkpointer, TrainState
 from parallel3d.cli import convert_hf
-from parallel3d.config import CheckpointConfig, ModelConfig, compose
+from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose
 from parallel3d.models import Transformer
 
 # In-process DCP loads (no process group) say so on every call; that is the intent here.
@@ -303,7 +303,7 @@ FAMILIES = {  # family: (transformers class, our model config at tiny sizes)
 
 
 def family_config(name: str) -> ModelConfig:
-    from parallel3d.config import MoEConfig
+    from parallel3d.config.schema import MoEConfig
 
     extra = dict(FAMILIES[name][1])
     moe = extra.pop("moe", None)

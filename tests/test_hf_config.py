@@ -1,5 +1,5 @@
 """checkpoint.init_from=HF_DIR alone: config.json defines the model, the folder the tokenizer
-(parallel3d/hf_config.py, parallel3d/data/tokenizer.py). In-process: composition and model
+(parallel3d/config/hf_folder.py, parallel3d/data/tokenizer.py). In-process: composition and model
 building only, no training run (tests/test_hf_export.py trains from these folders)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from hf_files import tiny_qwen3, token_batch
 from parallel3d.base import ConfigError
 from parallel3d.checkpoint import Checkpointer, TrainState
-from parallel3d.config import CheckpointConfig, ModelConfig, compose, user_set_keys
+from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose, user_set_keys
 from parallel3d.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_hash
 from parallel3d.models import Transformer
 from parallel3d.planner import predict

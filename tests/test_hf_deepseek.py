@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from parallel3d import hf
 from parallel3d.checkpoint import Checkpointer, TrainState
-from parallel3d.config import CheckpointConfig, ModelConfig, compose
+from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose
 from parallel3d.models import Transformer
 
 transformers = pytest.importorskip("transformers")

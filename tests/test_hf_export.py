@@ -1,5 +1,5 @@
 """A complete Hugging Face folder out (parallel3d/hf_export.py), from a run that started from one
-in (parallel3d/hf_config.py). One launch trains the tiny Qwen3 and Qwen3-MoE folders of
+in (parallel3d/config/hf_folder.py). One launch trains the tiny Qwen3 and Qwen3-MoE folders of
 tests/hf_files.py (the MoE one in several files with an index) for 4 steps without any model.*
 key and with train.save_model=true; the run_dir/hf/ it writes loads in transformers with our
 logits, generates until EOS, and equals what parallel3d-convert-hf exports from the checkpoint."""
@@ -17,7 +17,7 @@ from conftest import FAST, launch_batch
 from hf_files import TEXT, tiny_qwen3, token_batch
 from parallel3d.checkpoint import Checkpointer, TrainState
 from parallel3d.cli import convert_hf
-from parallel3d.config import CheckpointConfig
+from parallel3d.config.schema import CheckpointConfig
 from parallel3d.data.tokenizer import load_tokenizer
 from parallel3d.models import Transformer
 

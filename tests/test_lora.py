@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from parallel3d import hf
 from parallel3d.base import ConfigError
-from parallel3d.config import LoRAConfig, ModelConfig, OptimConfig, compose
+from parallel3d.config.schema import LoRAConfig, ModelConfig, OptimConfig, compose
 from parallel3d.lora import apply_lora, is_adapter
 from parallel3d.validate import check
 

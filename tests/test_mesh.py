@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from parallel3d.config import ParallelConfig
+from parallel3d.config.schema import ParallelConfig
 from parallel3d.mesh import MESH_DIMS, Meshes, ParallelDims, build_mesh
 
 

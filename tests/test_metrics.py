@@ -170,7 +170,7 @@ def test_an_explicit_offline_wandb_mode_always_wins(monkeypatch, environ, config
 def test_wandb_online_without_a_server_continues_offline_within_seconds(tmp_path, monkeypatch, capsys):
     """An API key and no reachable server (a closed port on loopback): offline, with a warning."""
 
-    from parallel3d.config import WandbConfig
+    from parallel3d.config.schema import WandbConfig
     from parallel3d.metrics import start_wandb
 
     with socket.socket() as s:  # a port nothing listens on
@@ -194,7 +194,7 @@ def test_wandb_online_without_a_server_continues_offline_within_seconds(tmp_path
 def test_wandb_online_with_a_silent_server_continues_offline(tmp_path, monkeypatch, capsys):
     """A server on loopback that accepts connections and never answers (server_reachable passes):
     wandb.init times out and the run goes on offline, with one line."""
-    from parallel3d.config import WandbConfig
+    from parallel3d.config.schema import WandbConfig
     from parallel3d.metrics import start_wandb
 
     server = socket.socket()

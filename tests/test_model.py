@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from parallel3d.config import ModelConfig, RopeScaling, compose
+from parallel3d.config.schema import ModelConfig, RopeScaling, compose
 from parallel3d.models.llama import Transformer, flops_per_token, num_params, rope_frequencies
 
 

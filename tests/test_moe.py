@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from parallel3d.config import ModelConfig, MoEConfig, compose
+from parallel3d.config.schema import ModelConfig, MoEConfig, compose
 from parallel3d.models.llama import Transformer, flops_per_token, num_params
 from parallel3d.models.moe import MoE, moe_layers
 from parallel3d.parallel.activation import apply_activation_checkpointing
@@ -141,7 +141,7 @@ def test_qk_norm_normalizes_each_head():
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_sigmoid_router_bias_moves_towards_even_load_and_is_checkpointed(tmp_path):
     from parallel3d.checkpoint import Checkpointer, TrainState
-    from parallel3d.config import CheckpointConfig
+    from parallel3d.config.schema import CheckpointConfig
     from parallel3d.parallel.expert import moe_statistics, update_router_bias
 
     cfg = tiny(router="sigmoid", bias_update_rate=0.01)

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from conftest import assert_matches, relative_error
-from parallel3d.config import compose
+from parallel3d.config.schema import compose
 from parallel3d.muon import Muon, MuonWithAdamW, is_muon_parameter
 from parallel3d.optim import lr_factor
 from parallel3d.step import build_setup, train_step

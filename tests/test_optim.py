@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallel3d.config import OptimConfig
+from parallel3d.config.schema import OptimConfig
 from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, total_norm
 
 STEPS, WARMUP, MIN_RATIO = 40, 5, 0.1
@@ -72,7 +72,7 @@ def test_wsd_flat_then_linear_decay_to_min_ratio():
 
 def test_wsd_default_config_never_steps_at_lr_zero():
     """conf/optim/adamw_wsd.yaml decays to min_lr_ratio=0: no optimizer step may run at lr 0."""
-    from parallel3d.config import compose
+    from parallel3d.config.schema import compose
 
     o = compose(["optim=adamw_wsd"]).optim
     for steps in (1, 2, 10, 40, 1000):
@@ -225,7 +225,7 @@ def _decay_of(optimizer) -> dict[int, float]:
 
 
 def test_norms_get_no_weight_decay_and_the_rest_does():
-    from parallel3d.config import ModelConfig
+    from parallel3d.config.schema import ModelConfig
     from parallel3d.models import Transformer
 
     model = Transformer(ModelConfig(n_layers=2))
@@ -238,7 +238,7 @@ def test_norms_get_no_weight_decay_and_the_rest_does():
 
 
 def test_no_decay_patterns_can_exempt_the_embedding_and_an_empty_group_is_dropped():
-    from parallel3d.config import ModelConfig
+    from parallel3d.config.schema import ModelConfig
     from parallel3d.models import Transformer
 
     model = Transformer(ModelConfig(n_layers=1))

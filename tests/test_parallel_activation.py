@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from parallel3d.config import compose
+from parallel3d.config.schema import compose
 from parallel3d.models import Transformer
 from parallel3d.parallel.activation import apply_activation_checkpointing
 from parallel3d.validate import ConfigError, check

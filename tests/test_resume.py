@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from parallel3d.config import OptimConfig
+from parallel3d.config.schema import OptimConfig
 from parallel3d.base import ConfigError, RunError
 from parallel3d.optim import build_lr_scheduler, lr_factor, set_schedule_step
 from parallel3d.resume import (check_hf_weights, check_not_past_end, checkpoint_problem, config_changes,
@@ -95,7 +95,7 @@ def _bpe_tokenizer(path, text: str):
 def test_a_resume_with_another_tokenizer_is_refused_unless_allowed(tmp_path):
     from conftest import launch
 
-    from parallel3d.config import DataConfig
+    from parallel3d.config.schema import DataConfig
     from parallel3d.data.tokenizer import tokenizer_hash
     from parallel3d.resume import check_tokenizer
 

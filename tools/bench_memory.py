@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from bench_common import print_dry_run_table  # noqa: E402
-from parallel3d.config import compose  # noqa: E402
+from parallel3d.config.schema import compose  # noqa: E402
 from parallel3d.dryrun import dry_run  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
 

@@ -41,7 +41,7 @@ from parallel3d.data.tokenizer import tokenizer_file
 from parallel3d.hf_export import INDEX, plan_files, refuse_used, write_hf_folder  # noqa: F401  (INDEX, plan_files: the tool's API)
 from parallel3d.checkpoint import find_checkpoint
 from parallel3d.resume import checkpoint_problem
-from parallel3d.config import ModelConfig
+from parallel3d.config.schema import ModelConfig
 from parallel3d.lora import is_adapter
 from parallel3d.lora_hf import adapted, merge_adapters, write_adapter
 from parallel3d.models import Transformer

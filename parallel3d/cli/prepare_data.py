@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from parallel3d.data import TokenFile, load_tokenizer, text_files, write_token_file
-from parallel3d.config import DataConfig
+from parallel3d.config.schema import DataConfig
 from parallel3d.data.checks import check_instruction_data
 from parallel3d.data.sft import SFTSpec
 from parallel3d.data.shards import cache_problem, shard_files, tokenize_shard

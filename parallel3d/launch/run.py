@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 def take_recipes_dir(argv: list[str]) -> list[str]:
     """``--recipes-dir DIR`` (or ``=DIR``, repeatable): recipes outside the repo, for this process
     and, through PARALLEL3D_RECIPES, every worker torchrun starts. The rest of argv is returned."""
-    from parallel3d.strictconfig import RECIPES_ENV
+    from parallel3d.config.strict import RECIPES_ENV
 
     dirs, rest, args = [], [], iter(argv)
     for arg in args:
@@ -135,8 +135,8 @@ def first_config_error(overrides: list[str], sizes: list[int], device: str | Non
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from parallel3d.config import compose
-    from parallel3d.strictconfig import RecipeError
+    from parallel3d.config.schema import compose
+    from parallel3d.config.strict import RecipeError
     from parallel3d.validate import ConfigError, check
 
     for world_size in sizes:

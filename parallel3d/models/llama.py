@@ -20,7 +20,7 @@ from einops import rearrange
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from parallel3d.config import ModelConfig, RopeScaling, head_dim
+from parallel3d.config.schema import ModelConfig, RopeScaling, head_dim
 from parallel3d.lora import adapter_std, is_adapter
 from parallel3d.models.attention import rotary_tables, sdpa
 from parallel3d.models.kv_cache import BlockCache, KVCache

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parallel3d.base import ConfigError
-from parallel3d.config import ModelConfig, RopeScaling, head_dim
+from parallel3d.config.schema import ModelConfig, RopeScaling, head_dim
 from parallel3d.models.attention import rotary_tables
 from parallel3d.models.kv_cache import BlockCache
 

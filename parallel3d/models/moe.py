@@ -40,7 +40,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from parallel3d.config import ModelConfig, MoEConfig
+from parallel3d.config.schema import ModelConfig, MoEConfig
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:

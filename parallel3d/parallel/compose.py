@@ -21,7 +21,7 @@ from typing import Optional
 from torch import nn
 
 from parallel3d.base import DTYPES
-from parallel3d.config import LoRAConfig
+from parallel3d.config.schema import LoRAConfig
 from parallel3d.lora import apply_lora
 from parallel3d.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks

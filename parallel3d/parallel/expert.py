@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from parallel3d.base import ConfigError, divisors
-from parallel3d.config import ModelConfig
+from parallel3d.config.schema import ModelConfig
 from parallel3d.models.moe import GroupedExperts, MoE, is_moe_layer, split_sizes
 
 

@@ -39,7 +39,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from parallel3d.config import ModelConfig
+from parallel3d.config.schema import ModelConfig
 from parallel3d.models import Transformer
 
 SCHEDULES = {

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from parallel3d.base import resolve_device
-from parallel3d.config import MoEConfig
+from parallel3d.config.schema import MoEConfig
 from parallel3d.lora import canonical_targets
 from parallel3d.mesh import ParallelDims
 from parallel3d.muon import is_muon_parameter

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from omegaconf import DictConfig, OmegaConf
 
-from parallel3d.config import Config
+from parallel3d.config.schema import Config
 from parallel3d.planner.layout import Layout, ModelShape
 from parallel3d.planner.plan import Hardware, Plan, evaluate
 from parallel3d.validate import ConfigError, check, divisors

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _shipped(name: str) -> Path:
@@ -289,7 +289,7 @@ class CheckpointConfig:
     resume: str = "auto"
     # Initial weights for a fresh start: a checkpoint (a seed checkpoint, say) or a Hugging Face
     # folder (config.json + *.safetensors), which then also defines model.* and data.tokenizer
-    # (parallel3d/hf_config.py). Model weights only; ignored when resuming.
+    # (parallel3d/config/hf_folder.py). Model weights only; ignored when resuming.
     init_from: Optional[str] = None
     create_seed: bool = False  # initialize, save checkpoints/step_0 (weights only) and stop
     # Before a checkpoint is loaded its files are checked against its manifest.json: checksum
@@ -347,7 +347,7 @@ def register_configs(overrides: list[str] | tuple[str, ...] = ()) -> None:
     recipe file fails only when ``overrides`` select it (strictconfig.py: RecipeError, naming it)."""
     from hydra.core.config_store import ConfigStore
 
-    from parallel3d.strictconfig import load_recipes, recipe_dirs, refuse_broken
+    from parallel3d.config.strict import load_recipes, recipe_dirs, refuse_broken
 
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
@@ -366,7 +366,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from parallel3d.hf_config import apply_hf_folder
+    from parallel3d.config.hf_folder import apply_hf_folder
 
     register_configs(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
@@ -381,7 +381,7 @@ def user_set_keys(overrides: list[str] | tuple[str, ...]) -> set[str]:
     folder in ``checkpoint.init_from`` replaces it (hf_config.apply_hf_folder)."""
     from omegaconf import OmegaConf
 
-    from parallel3d.strictconfig import recipe_dirs, selected_recipe
+    from parallel3d.config.strict import recipe_dirs, selected_recipe
 
     keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o or o.startswith("~")}
     recipe = selected_recipe(list(overrides))
