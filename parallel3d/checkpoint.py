@@ -48,7 +48,7 @@ from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, chec
 from parallel3d.config.schema import CheckpointConfig
 from parallel3d.lora import is_adapter
 from parallel3d.manifest import file_entries, verify_manifest, write_manifest
-from parallel3d.optim import init_optimizer_state, set_schedule_step
+from parallel3d.optim.adamw import init_optimizer_state, set_schedule_step
 from parallel3d.progress import Progress
 
 COMPLETE, META = "COMPLETE", "meta.json"

@@ -26,8 +26,8 @@ from parallel3d.data.documents import document_inputs, document_positions
 from parallel3d.guard import BadStepGuard, poison
 from parallel3d.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.models import Transformer
-from parallel3d.muon import build_muon_adamw
-from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
+from parallel3d.optim.muon import build_muon_adamw
+from parallel3d.optim.adamw import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync

@@ -27,7 +27,7 @@ from parallel3d.checkpoint_failures import CheckpointError
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.manifest import read_manifest
 from parallel3d.models import Transformer
-from parallel3d.optim import build_lr_scheduler
+from parallel3d.optim.adamw import build_lr_scheduler
 from parallel3d.resume import pick_checkpoint
 
 SAVE = [*FAST, "checkpoint.every=5", "train.save_model=true"]
@@ -352,7 +352,7 @@ def test_optimizer_state_is_named_by_parameter_whatever_the_group_order():
     """AdamW's no-decay group (the norms) comes after the decay group, unlike the model's order:
     each saved moment must still carry its own parameter's name and shape."""
     from parallel3d.checkpoint import state_dict
-    from parallel3d.optim import build_optimizer, init_optimizer_state
+    from parallel3d.optim.adamw import build_optimizer, init_optimizer_state
 
     model = Transformer(ModelConfig(n_layers=2))
     optimizer = build_optimizer(model, OptimConfig())

@@ -47,7 +47,7 @@ def test_only_adapters_train():
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     logits = model(tokens[:, :-1])
-    from parallel3d.optim import build_optimizer
+    from parallel3d.optim.adamw import build_optimizer
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {
         id(p) for _, p in model.named_parameters() if p.requires_grad}

@@ -1,4 +1,4 @@
-"""Muon (parallel3d/muon.py): one process computes what torch.optim.Muon + torch.optim.AdamW do over
+"""Muon (parallel3d/optim/muon.py): one process computes what torch.optim.Muon + torch.optim.AdamW do over
 the same parameter split; every layout computes what one process does; a checkpoint with Muon's
 momentum saved at one layout resumes at another; validation names bad optim.muon keys."""
 
@@ -13,8 +13,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from conftest import assert_matches, relative_error
 from parallel3d.config.schema import compose
-from parallel3d.muon import Muon, MuonWithAdamW, is_muon_parameter
-from parallel3d.optim import lr_factor
+from parallel3d.optim.muon import Muon, MuonWithAdamW, is_muon_parameter
+from parallel3d.optim.adamw import lr_factor
 from parallel3d.step import build_setup, train_step
 from parallel3d.validate import ConfigError, check
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from parallel3d.config.schema import OptimConfig
-from parallel3d.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, total_norm
+from parallel3d.optim.adamw import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, total_norm
 
 STEPS, WARMUP, MIN_RATIO = 40, 5, 0.1
 

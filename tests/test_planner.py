@@ -26,7 +26,7 @@ from parallel3d.config.schema import compose
 from parallel3d.mesh import ParallelDims, build_mesh
 from parallel3d.metrics import model_state_bytes
 from parallel3d.models import Transformer
-from parallel3d.optim import build_optimizer
+from parallel3d.optim.adamw import build_optimizer
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts
 from parallel3d.planner import Hardware, SearchSpace, predict, rank_layouts

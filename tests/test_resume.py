@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from parallel3d.config.schema import OptimConfig
 from parallel3d.base import ConfigError, RunError
-from parallel3d.optim import build_lr_scheduler, lr_factor, set_schedule_step
+from parallel3d.optim.adamw import build_lr_scheduler, lr_factor, set_schedule_step
 from parallel3d.resume import (check_hf_weights, check_not_past_end, checkpoint_problem, config_changes,
                                pick_checkpoint)
 

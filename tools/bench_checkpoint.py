@@ -32,7 +32,7 @@ from parallel3d import checkpoint as checkpoint_module
 from parallel3d.checkpoint import Checkpointer, TrainState
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
-from parallel3d.optim import build_optimizer, init_optimizer_state
+from parallel3d.optim.adamw import build_optimizer, init_optimizer_state
 from parallel3d.resume import pick_checkpoint
 
 

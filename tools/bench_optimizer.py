@@ -35,7 +35,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from parallel3d.config.schema import compose  # noqa: E402
 from parallel3d.models import Transformer  # noqa: E402
-from parallel3d.optim import implementation_flags  # noqa: E402
+from parallel3d.optim.adamw import implementation_flags  # noqa: E402
 
 IMPLEMENTATIONS = ("fused", "foreach", "for_loop")
 
@@ -101,7 +101,7 @@ def step_seconds(overrides: list[str], steps: int) -> tuple[float, float]:
 
 def _gather_all(pairs) -> None:
     """Muon's gathers alone: every matrix's bfloat16 update to whole matrices and back to the slice."""
-    from parallel3d.muon import gather_matrices, keep_own_slice
+    from parallel3d.optim.muon import gather_matrices, keep_own_slice
 
     for param, update in pairs:
         whole, placements = gather_matrices(update, param)

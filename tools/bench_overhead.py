@@ -48,7 +48,7 @@ from bench_common import heading, torch_threads
 from parallel3d.config.schema import compose
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.models import Transformer
-from parallel3d.optim import build_lr_scheduler, decay_groups
+from parallel3d.optim.adamw import build_lr_scheduler, decay_groups
 from parallel3d.train import train
 from parallel3d.validate import DTYPES
 

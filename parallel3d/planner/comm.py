@@ -129,7 +129,7 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
 
 def _muon_gathers(out: dict, model: ModelShape, stages: list[Stage], layout: Layout) -> None:
     """Muon's step gathers each block matrix that data or tensor parallelism splits, in bfloat16
-    (``parallel3d.muon``), in the order DTensor's redistribution takes: a row-parallel matrix
+    (``parallel3d.optim.muon``), in the order DTensor's redistribution takes: a row-parallel matrix
     (tp splits dim 1) gathers its tp pieces first, then the data-parallel shards of the whole; a
     column-parallel one (FSDP and tp both split dim 0) the data-parallel shards of its tp piece
     first, then the tp pieces. Stacked experts are split along the expert dim only (whole

@@ -16,7 +16,7 @@ from parallel3d.base import resolve_device
 from parallel3d.config.schema import MoEConfig
 from parallel3d.lora import canonical_targets
 from parallel3d.mesh import ParallelDims
-from parallel3d.muon import is_muon_parameter
+from parallel3d.optim.muon import is_muon_parameter
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
 from parallel3d.parallel.tensor import block_splits, outer_splits
 
@@ -217,7 +217,7 @@ class ParamSpec:
 
     @property
     def muon(self) -> bool:
-        """Whether ``optim.name=muon`` gives this parameter to Muon (``parallel3d.muon``)."""
+        """Whether ``optim.name=muon`` gives this parameter to Muon (``parallel3d.optim.muon``)."""
         return is_muon_parameter(self.name, len(self.shape))
 
 

@@ -165,7 +165,7 @@ def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, bloc
 
 def muon_step_bytes(model: ModelShape, stages: list[Stage], layout: Layout) -> int:
     """Muon's optimizer step, one matrix at a time: the whole matrix gathered in bfloat16, and
-    Newton–Schulz's iterate, its Gram matrix and their products (``parallel3d.muon``), for the
+    Newton–Schulz's iterate, its Gram matrix and their products (``parallel3d.optim.muon``), for the
     largest of the stages' block matrices; 0 under AdamW."""
     if layout.optimizer != "muon":
         return 0

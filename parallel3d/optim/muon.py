@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from parallel3d.base import ConfigError
-from parallel3d.optim import implementation_flags, named_decay_groups
+from parallel3d.optim.adamw import implementation_flags, named_decay_groups
 
 OPTIMIZERS = ("adamw", "muon")  # optim.name
 ADJUST_LR_FNS = ("original", "match_rms_adamw")  # optim.muon.adjust_lr_fn

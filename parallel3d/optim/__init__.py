@@ -1,0 +1,1 @@
+"""Optimizers: AdamW with its weight-decay groups, learning-rate schedules, gradient clipping, and Muon for the blocks' matrices."""
