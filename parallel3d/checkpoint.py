@@ -46,7 +46,7 @@ from parallel3d import hf
 from parallel3d.config import hf_folder
 from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.config.schema import CheckpointConfig
-from parallel3d.lora import is_adapter
+from parallel3d.models.lora import is_adapter
 from parallel3d.manifest import file_entries, verify_manifest, write_manifest
 from parallel3d.optim.adamw import init_optimizer_state, set_schedule_step
 from parallel3d.progress import Progress

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from parallel3d.base import RunError
 from parallel3d.checkpoint import COMPLETE, Checkpointer, TrainState
 from parallel3d.config.schema import CheckpointConfig, ModelConfig
-from parallel3d.lora import apply_lora
+from parallel3d.models.lora import apply_lora
 from parallel3d.models import Transformer
 from parallel3d.models.kv_cache import KVCache
 from parallel3d.resume import pick_checkpoint

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from parallel3d import hf
 from parallel3d.config.schema import LoRAConfig, ModelConfig
-from parallel3d.lora import A, B, HF_TARGETS, canonical_targets, is_adapter
+from parallel3d.models.lora import A, B, HF_TARGETS, canonical_targets, is_adapter
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 

@@ -24,7 +24,7 @@ from parallel3d.config.schema import Config
 from parallel3d.data import BatchSpec
 from parallel3d.data.documents import document_inputs, document_positions
 from parallel3d.guard import BadStepGuard, poison
-from parallel3d.mesh import Meshes, ParallelDims, build_mesh
+from parallel3d.parallel.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.models import Transformer
 from parallel3d.optim.muon import build_muon_adamw
 from parallel3d.optim.adamw import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients

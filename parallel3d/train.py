@@ -35,11 +35,11 @@ from parallel3d.evaluate import Evaluator
 from parallel3d.guard import BadStepGuard, TrainingDiverged
 from parallel3d.config.hf_folder import apply_hf_folder, describe
 from parallel3d.hf_export import save_run_model
-from parallel3d.lora import apply_lora
+from parallel3d.models.lora import apply_lora
 from parallel3d.lora_hf import merged_state, split_adapters, write_adapter
 from parallel3d.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, log_path, report_failure,
                                  warnings_to_log)
-from parallel3d.mesh import ParallelDims
+from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.meter import StepMeter
 from parallel3d.metrics import MetricsLogger, start_tensorboard, start_wandb
 from parallel3d.models import Transformer, num_params

@@ -23,7 +23,7 @@ from parallel3d.models.mla import check_attention
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
 from parallel3d.guard import check_bad_step_config
-from parallel3d.lora import check_lora
+from parallel3d.models.lora import check_lora
 from parallel3d.optim.adamw import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
 from parallel3d.optim.adamw import LR_SCHEDULES
 from parallel3d.parallel.activation import AC_MODES

@@ -23,7 +23,7 @@ from parallel3d.config.schema import compose
 from parallel3d.failures import report_failure
 from parallel3d.launch.run import first_config_error
 from parallel3d.launch.slurm import script_for
-from parallel3d.mesh import ParallelDims
+from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.resume import check_not_past_end
 from parallel3d.train import banner
 from parallel3d.validate import check

@@ -13,7 +13,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from draw_layout import DURATION, rank_grid, schedule_actions, timeline  # noqa: E402
 
-from parallel3d.mesh import ParallelDims, build_mesh  # noqa: E402
+from parallel3d.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 

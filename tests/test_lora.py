@@ -1,4 +1,4 @@
-"""LoRA (parallel3d/lora.py, lora_hf.py): only the adapters train, every layout equals one process,
+"""LoRA (parallel3d/models/lora.py, lora_hf.py): only the adapters train, every layout equals one process,
 the planner counts the frozen base, and the exports (merged weights, PEFT adapter) are exact."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from parallel3d import hf
 from parallel3d.base import ConfigError
 from parallel3d.config.schema import LoRAConfig, ModelConfig, OptimConfig, compose
-from parallel3d.lora import apply_lora, is_adapter
+from parallel3d.models.lora import apply_lora, is_adapter
 from parallel3d.validate import check
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]  # scale alpha / rank = 2

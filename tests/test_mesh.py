@@ -7,7 +7,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from parallel3d.config.schema import ParallelConfig
-from parallel3d.mesh import MESH_DIMS, Meshes, ParallelDims, build_mesh
+from parallel3d.parallel.mesh import MESH_DIMS, Meshes, ParallelDims, build_mesh
 
 
 def test_parallel_dims_dp_and_world_size():

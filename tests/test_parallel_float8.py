@@ -19,7 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from parallel3d.config.schema import compose
-from parallel3d.mesh import ParallelDims, build_mesh
+from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.models import Transformer
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.float8 import Float8Plan, apply_float8, float8_block_plan, is_float8

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from parallel3d.config.schema import compose
 from parallel3d.data.documents import document_inputs
-from parallel3d.mesh import ParallelDims, build_mesh
+from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.activation import apply_activation_checkpointing
 from parallel3d.parallel.expert import AllToAllDispatch, apply_expert_parallel
 from parallel3d.parallel.tensor import apply_tensor_parallel

@@ -42,7 +42,7 @@ from parallel3d.hf_export import INDEX, plan_files, refuse_used, write_hf_folder
 from parallel3d.checkpoint import find_checkpoint
 from parallel3d.resume import checkpoint_problem
 from parallel3d.config.schema import ModelConfig
-from parallel3d.lora import is_adapter
+from parallel3d.models.lora import is_adapter
 from parallel3d.lora_hf import adapted, merge_adapters, write_adapter
 from parallel3d.models import Transformer
 

@@ -68,7 +68,7 @@ class MoEConfig:
 
 @dataclass
 class LoRAConfig:
-    """Low-rank adapters on a frozen base (parallel3d/lora.py, docs/finetune.md, LoRA)."""
+    """Low-rank adapters on a frozen base (parallel3d/models/lora.py, docs/finetune.md, LoRA)."""
 
     rank: int = 0  # 0: off (every parameter trains)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallel3d.config.schema import ModelConfig, RopeScaling, head_dim
-from parallel3d.lora import adapter_std, is_adapter
+from parallel3d.models.lora import adapter_std, is_adapter
 from parallel3d.models.attention import rotary_tables, sdpa
 from parallel3d.models.kv_cache import BlockCache, KVCache
 from parallel3d.models.mla import (MultiHeadLatentAttention, mla_attention_flops, mla_params, rope_attention_factor,
@@ -213,7 +213,7 @@ class Transformer(nn.Module):
         self.init_rope()
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
-            if is_adapter(name):  # LoRA's A and B (parallel3d/lora.py)
+            if is_adapter(name):  # LoRA's A and B (parallel3d/models/lora.py)
                 std = adapter_std(name, param.shape)
             elif "norm" in name:
                 std = None

@@ -22,8 +22,8 @@ from torch import nn
 
 from parallel3d.base import DTYPES
 from parallel3d.config.schema import LoRAConfig
-from parallel3d.lora import apply_lora
-from parallel3d.mesh import Meshes
+from parallel3d.models.lora import apply_lora
+from parallel3d.parallel.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
 from parallel3d.parallel.context import apply_context_parallel
 from parallel3d.parallel.data import DataParallelPlan, ExpertSharding, apply_data_parallel
