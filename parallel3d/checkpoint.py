@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-from parallel3d import hf
+from parallel3d.hf import families
 from parallel3d.config import hf_folder
 from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.config.schema import CheckpointConfig
@@ -325,12 +325,12 @@ class Checkpointer:
 
     def load_weights(self, path: Path, state: TrainState, model_cfg) -> None:
         """Initial weights only, from one of our checkpoints or a Hugging Face Llama folder."""
-        if hf.is_hf_dir(path):
+        if hf_folder.is_hf_dir(path):
             hf_folder.check_agrees(path, model_cfg)
-            targets, copies = _model_targets(state, lambda name, param: hf.hf_tensors(name, param, model_cfg))
-            if hf.exported_buffers(model_cfg):
+            targets, copies = _model_targets(state, lambda name, param: families.hf_tensors(name, param, model_cfg))
+            if families.exported_buffers(model_cfg):
                 targets |= {key: t for name, buf in state.persistent_buffers().items()
-                            for key, t in hf.hf_tensors(name, buf, model_cfg).items()}
+                            for key, t in families.hf_tensors(name, buf, model_cfg).items()}
         else:
             found = find_checkpoint(path)
             if found is None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallel3d import hf
+from parallel3d.hf import families
 from parallel3d.config import hf_folder
 from parallel3d.base import ConfigError
 from parallel3d.checkpoint import find_checkpoint
@@ -43,7 +43,7 @@ def check_checkpoint(ck, m, run_dir: Path | None) -> None:
         _check_saved_shape("checkpoint.resume", ck.resume, found, m)
     if ck.init_from:
         path = Path(ck.init_from).expanduser()
-        if hf.is_hf_dir(path):
+        if hf_folder.is_hf_dir(path):
             hf_folder.check_agrees(path, m)
         elif (found := find_checkpoint(path)) is None:
             raise ConfigError("checkpoint.init_from", ck.init_from, "neither a checkpoint nor a Hugging Face "

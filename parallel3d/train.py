@@ -23,7 +23,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import CheckpointException
 
-from parallel3d import hf, watchdog
+from parallel3d import watchdog
+from parallel3d.config import hf_folder
+from parallel3d.hf import families
 from parallel3d.base import ConfigError, world_size_from_env
 from parallel3d.checkpoint import Checkpointer, TrainState, full_model_state
 from parallel3d.config.schema import CONF_DIR, Config, register_configs, user_set_keys
@@ -34,9 +36,9 @@ from parallel3d.distributed import init_distributed, report_hangs_in
 from parallel3d.evaluate import Evaluator
 from parallel3d.guard import BadStepGuard, TrainingDiverged
 from parallel3d.config.hf_folder import apply_hf_folder, describe
-from parallel3d.hf_export import save_run_model
+from parallel3d.hf.export import save_run_model
 from parallel3d.models.lora import apply_lora
-from parallel3d.lora_hf import merged_state, split_adapters, write_adapter
+from parallel3d.hf.lora import merged_state, split_adapters, write_adapter
 from parallel3d.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, log_path, report_failure,
                                  warnings_to_log)
 from parallel3d.parallel.mesh import ParallelDims
@@ -315,12 +317,12 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
         return meta["step"], meta["samples_seen"] - meta["step"] * c.train.global_batch_size
     if c.checkpoint.init_from:
         init_from = Path(c.checkpoint.init_from).expanduser()
-        if hf.is_hf_dir(init_from):
+        if hf_folder.is_hf_dir(init_from):
             check_hf_weights(init_from)
         else:
             verify_init_from(init_from, c.checkpoint.verify, announce=is_rank0)
         checkpointer.load_weights(init_from, state, c.model)
-        if is_rank0 and hf.is_hf_dir(init_from):
+        if is_rank0 and hf_folder.is_hf_dir(init_from):
             with torch.device("meta"):
                 size = num_params(Transformer(c.model))
             print(describe(init_from, n_params=size, tokenizer=c.data.tokenizer), flush=True)

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from chat_files import chat_tokenizer_folder
 from conftest import FAST, launch
 from data_files import documents, write_jsonl
-from parallel3d import hf
+from parallel3d.hf import families
 from parallel3d.cli import convert_hf
 from parallel3d.cli import generate as generate_cli
 from parallel3d.config.schema import ModelConfig, compose
@@ -163,9 +163,9 @@ def test_moe_greedy_equals_transformers_qwen3_moe(tmp_path):
 
     model = random_model(["model=tiny_moe", "model.qk_norm=true", "model.init_std=0.2"])
     weights = {key: t.contiguous() for name, p in model.named_parameters()
-               for key, t in hf.hf_tensors(name, p.detach(), model.cfg).items()}
+               for key, t in families.hf_tensors(name, p.detach(), model.cfg).items()}
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text(json.dumps(hf.hf_config(model.cfg, torch.float32)))
+    (tmp_path / "config.json").write_text(json.dumps(families.hf_config(model.cfg, torch.float32)))
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     prompt = [5, 17, 300, 42, 7]
     assert generate(model, prompt, max_new_tokens=32) == hf_greedy(reference, prompt, 32, eos=None)

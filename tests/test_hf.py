@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import FAST, Run, env, launch, relative_error
-from parallel3d import hf
+from parallel3d.hf import families
 from parallel3d.checkpoint import Checkpointer, TrainState
 from parallel3d.cli import convert_hf
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose
@@ -115,7 +115,7 @@ def test_names_map_one_to_one(name):
     cfg = model_config(NAMED[name])
     with torch.device("meta"):
         names = [n for n, _ in Transformer(cfg).named_parameters()]
-    hf_names = [hf.to_hf(n) for n in names]
+    hf_names = [families.to_hf(n) for n in names]
     assert len(set(hf_names)) == len(names)
     assert all(n.startswith(("model.", "lm_head.")) for n in hf_names)
     assert ("lm_head.weight" in hf_names) == (not cfg.tie_embeddings)
@@ -128,8 +128,8 @@ def test_names_and_shapes_are_transformers_llama(name):
     cfg = model_config(NAMED[name])
     with torch.device("meta"):
         ours = Transformer(cfg)
-        theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf.hf_config(cfg, torch.bfloat16)))
-    assert {hf.to_hf(n): p.shape for n, p in ours.named_parameters()} == {
+        theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**families.hf_config(cfg, torch.bfloat16)))
+    assert {families.to_hf(n): p.shape for n, p in ours.named_parameters()} == {
         n: p.shape for n, p in theirs.named_parameters()}
 
 
@@ -159,7 +159,7 @@ def test_export_folder(models):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
         keys = set(f.keys())
-    assert keys == {hf.to_hf(n) for n, _ in from_checkpoint(models, "untied").named_parameters()}  # no optimizer
+    assert keys == {families.to_hf(n) for n, _ in from_checkpoint(models, "untied").named_parameters()}  # no optimizer
 
 
 def test_multi_file_export_has_a_complete_index(models):

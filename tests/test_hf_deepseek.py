@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-from parallel3d import hf
+from parallel3d.hf import families
 from parallel3d.checkpoint import Checkpointer, TrainState
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose
 from parallel3d.models import Transformer
@@ -64,11 +64,11 @@ def test_logits_equal_transformers(tmp_path, name):
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
     # Export names: our parameters and the router's bias are the folder's tensors, one to one.
     ours_keys = [key for name, t in [*model.named_parameters(), *model.named_buffers()] if "rope_" not in name
-                 for key in hf.hf_tensors(name, t, cfg)]
+                 for key in families.hf_tensors(name, t, cfg)]
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert sorted(ours_keys) == sorted(f.keys())
     # Our config.json describes the same model to transformers.
-    again = transformers.DeepseekV3Config(**{k: v for k, v in hf.hf_config(cfg, torch.float32).items()
+    again = transformers.DeepseekV3Config(**{k: v for k, v in families.hf_config(cfg, torch.float32).items()
                                              if k not in ("architectures", "model_type", "torch_dtype")})
     for key in ("q_lora_rank", "kv_lora_rank", "first_k_dense_replace", "n_group", "topk_group",
                 "routed_scaling_factor", "num_key_value_heads", "head_dim"):
@@ -101,7 +101,7 @@ def test_greedy_generation_equals_transformers(tmp_path, capsys, name):
 def test_the_folder_out_is_the_folder_in(tmp_path):
     """train.save_model's writer (hf_export.save_state_dict) writes our DeepSeek-V3 model, the router's
     balancing bias included, as a folder transformers loads with the same logits."""
-    from parallel3d.hf_export import save_state_dict
+    from parallel3d.hf.export import save_state_dict
 
     reference = hf_folder(tmp_path / "in", **FOLDERS["q_lora"])
     model, cfg = ours(tmp_path / "in")

@@ -1,4 +1,4 @@
-"""A complete Hugging Face folder out (parallel3d/hf_export.py), from a run that started from one
+"""A complete Hugging Face folder out (parallel3d/hf/export.py), from a run that started from one
 in (parallel3d/config/hf_folder.py). One launch trains the tiny Qwen3 and Qwen3-MoE folders of
 tests/hf_files.py (the MoE one in several files with an index) for 4 steps without any model.*
 key and with train.save_model=true; the run_dir/hf/ it writes loads in transformers with our
@@ -117,7 +117,7 @@ def test_tokenizer_files_out(tmp_path):
     """A folder whose template ends turns with another token than eos stops generation at both; a
     bare tokenizer.json gets a tokenizer_config.json that AutoTokenizer reads with its eos."""
     from hf_files import tiny_tokenizer
-    from parallel3d.hf_export import generation_config, token_ids, write_tokenizer
+    from parallel3d.hf.export import generation_config, token_ids, write_tokenizer
 
     source = tiny_tokenizer(tmp_path / "base", eos="<|endoftext|>")  # Qwen3 base: eos <|endoftext|>
     for name, spec in {"folder": source, "bare": source / "tokenizer.json"}.items():

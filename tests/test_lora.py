@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conftest import assert_matches, layouts, prefetch_selected, relative_error
-from parallel3d import hf
+from parallel3d.hf import families
 from parallel3d.base import ConfigError
 from parallel3d.config.schema import LoRAConfig, ModelConfig, OptimConfig, compose
 from parallel3d.models.lora import apply_lora, is_adapter
@@ -117,7 +117,7 @@ def test_exports(parity, lora_reference, tmp_path):
             continue
         a, b = (state.get(name.removesuffix(".weight") + suffix) for suffix in (".lora_a", ".lora_b"))
         want = weight if a is None else weight + 2 * b @ a
-        torch.testing.assert_close(merged[hf.to_hf(name, cfg)], want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(merged[families.to_hf(name, cfg)], want, rtol=1e-6, atol=1e-6)
     assert load_file(str(run.run_dir / "hf_adapter" / "adapter_model.safetensors")).keys() == \
         load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")).keys()
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == sorted(
@@ -145,9 +145,9 @@ def _assert_peft_logits(state, cfg, adapter_dir, tmp_path) -> None:
 
     base_dir = tmp_path / "base"
     base_dir.mkdir()
-    save_file({hf.to_hf(n, cfg): t.contiguous() for n, t in state.items() if not is_adapter(n)},
+    save_file({families.to_hf(n, cfg): t.contiguous() for n, t in state.items() if not is_adapter(n)},
               str(base_dir / "model.safetensors"), metadata={"format": "pt"})
-    (base_dir / "config.json").write_text(json.dumps(hf.hf_config(cfg, torch.float32)))
+    (base_dir / "config.json").write_text(json.dumps(families.hf_config(cfg, torch.float32)))
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Export a parallel3d checkpoint as a Hugging Face folder (Llama, Qwen3, Qwen3-MoE or Mixtral: see
-parallel3d/hf.py): a complete folder, as ``train.save_model=true`` writes it (parallel3d/hf_export.py).
+parallel3d/hf/families.py): a complete folder, as ``train.save_model=true`` writes it (parallel3d/hf/export.py).
 
     parallel3d-convert-hf export CHECKPOINT OUT_DIR [--dtype bfloat16|float32|float16]
                                                    [--max-shard-size 5GB]
@@ -10,7 +10,7 @@ complete checkpoint). OUT_DIR gets ``model.safetensors``, or ``model-0000i-of-00
 with ``model.safetensors.index.json`` when the weights exceed --max-shard-size, the run's tokenizer
 files (byte tokens: an equivalent tokenizer.json), generation_config.json and config.json with the
 special token ids. Optimizer state is left out. A LoRA run's adapters are merged into the weights
-(W + alpha/rank B A); ``--adapter-dir DIR`` also writes them in PEFT's format (parallel3d/lora_hf.py).
+(W + alpha/rank B A); ``--adapter-dir DIR`` also writes them in PEFT's format (parallel3d/hf/lora.py).
 transformers loads the folder as it is:
 
     AutoModelForCausalLM.from_pretrained(OUT_DIR); AutoTokenizer.from_pretrained(OUT_DIR)
@@ -36,14 +36,14 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from parallel3d import hf
+from parallel3d.hf import families
 from parallel3d.data.tokenizer import tokenizer_file
-from parallel3d.hf_export import INDEX, plan_files, refuse_used, write_hf_folder  # noqa: F401  (INDEX, plan_files: the tool's API)
+from parallel3d.hf.export import INDEX, plan_files, refuse_used, write_hf_folder  # noqa: F401  (INDEX, plan_files: the tool's API)
 from parallel3d.checkpoint import find_checkpoint
 from parallel3d.resume import checkpoint_problem
 from parallel3d.config.schema import ModelConfig
 from parallel3d.models.lora import is_adapter
-from parallel3d.lora_hf import adapted, merge_adapters, write_adapter
+from parallel3d.hf.lora import adapted, merge_adapters, write_adapter
 from parallel3d.models import Transformer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -77,7 +77,7 @@ def parameter_shapes(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = Transformer(cfg)
         names = [name for name, _ in model.named_parameters()]
-        if hf.exported_buffers(cfg):  # the sigmoid router's balancing bias, after the parameters
+        if families.exported_buffers(cfg):  # the sigmoid router's balancing bias, after the parameters
             names += [name for name, _ in model.named_buffers() if name.endswith("expert_bias")]
     missing = [name for name in names if name not in stored]
     if missing:

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from parallel3d.base import ConfigError
 from parallel3d.data.tokenizer import tokenizer_file, tokenizer_folder
 
-DEEPSEEK = "deepseek_v3"  # parallel3d/hf_deepseek.py: its names and config.json out
+DEEPSEEK = "deepseek_v3"  # parallel3d/hf/deepseek.py: its names and config.json out
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", DEEPSEEK)
 # transformers' defaults for the keys a config.json may leave out (LlamaConfig, Qwen3Config, ...).
 _DEFAULTS = {

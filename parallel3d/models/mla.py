@@ -8,7 +8,7 @@ rank too (``wq_a``, ``q_norm``, ``wq_b`` when ``q_lora_rank`` > 0); each query h
 part and a RoPE part. A head's key is (its own no-RoPE key, the shared RoPE key), so q/k heads have
 ``qk_nope_head_dim + qk_rope_head_dim`` channels and value heads ``v_head_dim``.
 
-Parameter names follow torchtitan's DeepSeek-V3; ``parallel3d.hf_deepseek`` maps them onto Hugging
+Parameter names follow torchtitan's DeepSeek-V3; ``parallel3d.hf.deepseek`` maps them onto Hugging
 Face's. RoPE channels are rotated in interleaved pairs (DeepSeek's checkpoints, Hugging Face's
 ``rope_interleave``), as Hugging Face does it, so the weights stay as stored.
 

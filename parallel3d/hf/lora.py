@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from parallel3d import hf
+from parallel3d.hf import families
 from parallel3d.config.schema import LoRAConfig, ModelConfig
 from parallel3d.models.lora import A, B, HF_TARGETS, canonical_targets, is_adapter
 
@@ -68,7 +68,7 @@ def merged_state(state: dict[str, torch.Tensor], lora: LoRAConfig) -> dict[str, 
 def peft_key(name: str, cfg: ModelConfig) -> str:
     """``layers.0.attention.wq.lora_a`` -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``."""
     module, which = name.rsplit(".", 1)
-    projection = hf.to_hf(f"{module}.weight", cfg).removesuffix(".weight")
+    projection = families.to_hf(f"{module}.weight", cfg).removesuffix(".weight")
     return f"base_model.model.{projection}.lora_{'A' if which == A else 'B'}.weight"
 
 

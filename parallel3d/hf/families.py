@@ -12,7 +12,7 @@ checkpoints hold), so an expert is a row of ours: a view, again no copy.
     qwen3      dense, model.qk_norm            Qwen3ForCausalLM      -
     qwen3_moe  model.moe, model.qk_norm        Qwen3MoeForCausalLM   mlp.       gate_proj up_proj down_proj
     mixtral    model.moe, no q/k norm          MixtralForCausalLM    block_sparse_moe.  w1 w3 w2
-    deepseek_v3  model.attention=mla           DeepseekV3ForCausalLM mlp.  (parallel3d/hf_deepseek.py)
+    deepseek_v3  model.attention=mla           DeepseekV3ForCausalLM mlp.  (parallel3d/hf/deepseek.py)
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from parallel3d import hf_deepseek
+from parallel3d.hf import deepseek
 from parallel3d.config.schema import ModelConfig, head_dim
-from parallel3d.config.hf_folder import is_hf_dir  # noqa: F401  (re-exported: callers ask hf whether a folder is one)
 
 _BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -41,15 +40,15 @@ _BLOCK = {
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _EXPERT_NAMES = {"qwen3_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
-                 "mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"}, hf_deepseek.FAMILY: hf_deepseek.EXPERT_NAMES}
-_MOE_PREFIX = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", hf_deepseek.FAMILY: hf_deepseek.MOE_PREFIX}
+                 "mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"}, deepseek.FAMILY: deepseek.EXPERT_NAMES}
+_MOE_PREFIX = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", deepseek.FAMILY: deepseek.MOE_PREFIX}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM", hf_deepseek.FAMILY: hf_deepseek.ARCHITECTURE}
+                 "mixtral": "MixtralForCausalLM", deepseek.FAMILY: deepseek.ARCHITECTURE}
 
 
 def family(cfg: ModelConfig | None) -> str:
     if cfg is not None and cfg.attention == "mla":
-        return hf_deepseek.FAMILY
+        return deepseek.FAMILY
     if cfg is None or not cfg.moe.num_experts:
         return "qwen3" if cfg is not None and cfg.qk_norm else "llama"
     return "qwen3_moe" if cfg.qk_norm else "mixtral"
@@ -60,8 +59,8 @@ def to_hf(name: str, cfg: ModelConfig | None = None) -> str:
     if name in _TOP:
         return _TOP[name]
     _, index, rest = name.split(".", 2)
-    if family(cfg) == hf_deepseek.FAMILY:
-        return f"model.layers.{index}.{hf_deepseek.block_name(rest)}"
+    if family(cfg) == deepseek.FAMILY:
+        return f"model.layers.{index}.{deepseek.block_name(rest)}"
     if rest.startswith("feed_forward.router.gate"):
         return f"model.layers.{index}.{_MOE_PREFIX[family(cfg)]}gate.weight"
     if rest.startswith("feed_forward.shared."):
@@ -113,8 +112,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "initializer_range": cfg.init_std,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if fam == hf_deepseek.FAMILY:
-        return config | hf_deepseek.hf_config(cfg)
+    if fam == deepseek.FAMILY:
+        return config | deepseek.hf_config(cfg)
     return config | _moe_config(cfg, fam)
 
 
@@ -133,8 +132,8 @@ def _moe_config(cfg: ModelConfig, fam: str) -> dict:
 def check_exportable(cfg: ModelConfig) -> None:
     """Refuse MoE settings no Hugging Face family here has (one line naming the key)."""
     moe, fam = cfg.moe, family(cfg)
-    if fam == hf_deepseek.FAMILY:
-        problem = hf_deepseek.exportable_problem(cfg)
+    if fam == deepseek.FAMILY:
+        problem = deepseek.exportable_problem(cfg)
         if problem:
             raise ValueError(problem)
         return
@@ -148,4 +147,4 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 def exported_buffers(cfg: ModelConfig) -> bool:
     """Whether the family stores the sigmoid router's balancing bias (DeepSeek-V3 does)."""
-    return family(cfg) == hf_deepseek.FAMILY
+    return family(cfg) == deepseek.FAMILY

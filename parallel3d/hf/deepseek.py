@@ -1,7 +1,7 @@
 """Hugging Face interop for the ``deepseek_v3`` family (DeepseekV3ForCausalLM): multi-head latent
 attention, DeepSeek-V3's MoE (docs/mla.md).
 
-``parallel3d.hf`` dispatches here for models with ``model.attention=mla``. As for the other
+``parallel3d.hf.families`` dispatches here for models with ``model.attention=mla``. As for the other
 families our names map one to one onto Hugging Face's (stacked experts: one tensor per expert, a
 view); the sigmoid router's balancing bias, a buffer, is ``e_score_correction_bias``.
 """
@@ -45,7 +45,7 @@ def block_name(rest: str) -> str:
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The family-specific part of ``config.json`` (``parallel3d.hf.hf_config`` adds the common keys)."""
+    """The family-specific part of ``config.json`` (``parallel3d.hf.families.hf_config`` adds the common keys)."""
     moe, s = cfg.moe, cfg.rope_scaling
     dense_layers = cfg.n_layers if not moe.num_experts else moe.first_dense_layers
     return {

@@ -10,7 +10,7 @@
 A run with a bare tokenizer.json gets a tokenizer_config.json naming its special tokens, so
 AutoTokenizer loads it as PreTrainedTokenizerFast; a byte-tokenizer run gets a tokenizer.json that
 tokenizes exactly as ByteTokenizer does (``byte_tokenizer_json``). config.json is written last: a
-folder counts as a Hugging Face model (hf.is_hf_dir) only once its weights are all there.
+folder counts as a Hugging Face model (hf_folder.is_hf_dir) only once its weights are all there.
 
 ``save_state_dict`` writes a folder from a full state dict with our names (a merged LoRA model, say).
 """
@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from parallel3d import hf
+from parallel3d.config import hf_folder
+from parallel3d.hf import families
 from parallel3d.config.schema import ModelConfig
 from parallel3d.data.chat import load_chat_template
 from parallel3d.data.tokenizer import ID_FILES, TOKENIZER_FILE, ByteTokenizer, load_tokenizer
@@ -87,7 +88,7 @@ def write_hf_folder(out_dir: Path, *, cfg: ModelConfig, shapes: dict[str, torch.
     so at most one file's tensors are in memory); ``tokenizer``: the run's data.tokenizer (None:
     not available here; then no tokenizer files and no token ids); ``chat_template``: the run's
     data.chat_template file, which replaces the tokenizer folder's template."""
-    hf.check_exportable(cfg)
+    families.check_exportable(cfg)
     refuse_used(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = plan_files(shapes, dtype, max_shard_bytes)
@@ -97,7 +98,7 @@ def write_hf_folder(out_dir: Path, *, cfg: ModelConfig, shapes: dict[str, torch.
         tensors = load({name: shapes[name] for name in names})
         # Renamed; stacked experts as one tensor per expert (copies of one row each, for the file).
         renamed = {key: t.contiguous().clone() if t.dim() and ".experts." in key else t.contiguous()
-                   for name, full in tensors.items() for key, t in hf.hf_tensors(name, full, cfg).items()}
+                   for name, full in tensors.items() for key, t in families.hf_tensors(name, full, cfg).items()}
         write_safetensors(out_dir / filename, renamed)
         weight_map.update({key: filename for key in renamed})
         del tensors, renamed  # before the next file is read: one file's tensors in memory at a time
@@ -110,7 +111,7 @@ def write_hf_folder(out_dir: Path, *, cfg: ModelConfig, shapes: dict[str, torch.
         write_tokenizer(out_dir, tokenizer, model_max_length=cfg.max_seq_len, chat_template=chat_template)
         ids = token_ids(out_dir)
         write_json(out_dir / "generation_config.json", generation_config(out_dir, ids))
-    write_json(out_dir / "config.json", hf.hf_config(cfg, dtype) | {f"{k}_token_id": v for k, v in ids.items()})
+    write_json(out_dir / "config.json", families.hf_config(cfg, dtype) | {f"{k}_token_id": v for k, v in ids.items()})
 
 
 def save_state_dict(out_dir: Path, state: dict[str, torch.Tensor], *, cfg: ModelConfig, tokenizer: str | None,
@@ -124,7 +125,7 @@ def save_state_dict(out_dir: Path, state: dict[str, torch.Tensor], *, cfg: Model
     with torch.device("meta"):  # the model's order: each file holds neighbouring layers
         model = Transformer(cfg)
         names = [name for name, _ in model.named_parameters()]
-        if hf.exported_buffers(cfg):  # the sigmoid router's balancing bias (DeepSeek-V3's folders keep it)
+        if families.exported_buffers(cfg):  # the sigmoid router's balancing bias (DeepSeek-V3's folders keep it)
             names += [name for name, _ in model.named_buffers() if name.endswith("expert_bias")]
     shapes = {name: state[name].shape for name in names}
     write_hf_folder(out_dir, cfg=cfg, shapes=shapes, dtype=dtype, tokenizer=tokenizer, chat_template=chat_template,
@@ -137,7 +138,7 @@ def save_run_model(run_dir: Path, state: dict[str, torch.Tensor], *, model_cfg: 
     here has (shared experts, the sigmoid router) keeps our names in ``run_dir/model.safetensors``
     instead. Returns the console line saying which."""
     try:
-        hf.check_exportable(model_cfg)
+        families.check_exportable(model_cfg)
     except ValueError as e:
         save_file({k: v.contiguous() for k, v in state.items()}, str(run_dir / "model.safetensors"))
         return f"parallel3d: wrote {run_dir / 'model.safetensors'} (parallel3d names), not a Hugging Face folder: {e}"
