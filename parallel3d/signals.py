@@ -29,7 +29,7 @@ class Stopped(Exception):
 
 
 def last_checkpoint(checkpoints: Path) -> str:
-    from parallel3d.checkpoint import complete_steps
+    from parallel3d.checkpoint.checkpointer import complete_steps
 
     steps = complete_steps(checkpoints)
     return str(checkpoints / f"step_{steps[-1]}") if steps else "none yet"

@@ -27,7 +27,7 @@ from parallel3d import watchdog
 from parallel3d.config import hf_folder
 from parallel3d.hf import families
 from parallel3d.base import ConfigError, world_size_from_env
-from parallel3d.checkpoint import Checkpointer, TrainState, full_model_state
+from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState, full_model_state
 from parallel3d.config.schema import CONF_DIR, Config, register_configs, user_set_keys
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
 from parallel3d.data.checks import check_corpus, check_heldout
@@ -49,7 +49,7 @@ from parallel3d.parallel.expert import moe_statistics
 from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.profiling import StepProfiler
 from parallel3d.progress import Progress
-from parallel3d.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
+from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
                                report_changes, verify_init_from)
 from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
                                shared_run_dir, unwritable_run_dir)

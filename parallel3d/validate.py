@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device, world_size_from_env
-from parallel3d.checkpoint_checks import check_checkpoint, run_dir_of
+from parallel3d.checkpoint.checks import check_checkpoint, run_dir_of
 from parallel3d.optim.muon import OPTIMIZERS, check_muon_config
 from parallel3d.models.mla import check_attention
 from parallel3d.data.checks import check_data

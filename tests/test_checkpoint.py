@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 
 from conftest import FAST, Run, final_weights, launch, launch_batch, relative_error, selected_params
-import parallel3d.checkpoint as checkpoint_module
-import parallel3d.manifest as manifest_module
+import parallel3d.checkpoint.checkpointer as checkpoint_module
+import parallel3d.checkpoint.manifest as manifest_module
 from parallel3d.base import RunError
-from parallel3d.checkpoint import COMPLETE, Checkpointer, TrainState, complete_steps, find_checkpoint
-from parallel3d.checkpoint_failures import CheckpointError
+from parallel3d.checkpoint.checkpointer import COMPLETE, Checkpointer, TrainState, complete_steps, find_checkpoint
+from parallel3d.checkpoint.errors import CheckpointError
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
-from parallel3d.manifest import read_manifest
+from parallel3d.checkpoint.manifest import read_manifest
 from parallel3d.models import Transformer
 from parallel3d.optim.adamw import build_lr_scheduler
-from parallel3d.resume import pick_checkpoint
+from parallel3d.checkpoint.resume import pick_checkpoint
 
 SAVE = [*FAST, "checkpoint.every=5", "train.save_model=true"]
 DP2_TP2 = ["parallel.dp_shard=2", "parallel.tp=2"]
@@ -351,7 +351,7 @@ def test_resume_takes_a_step_folder_a_checkpoints_folder_or_a_run_dir(tmp_path):
 def test_optimizer_state_is_named_by_parameter_whatever_the_group_order():
     """AdamW's no-decay group (the norms) comes after the decay group, unlike the model's order:
     each saved moment must still carry its own parameter's name and shape."""
-    from parallel3d.checkpoint import state_dict
+    from parallel3d.checkpoint.checkpointer import state_dict
     from parallel3d.optim.adamw import build_optimizer, init_optimizer_state
 
     model = Transformer(ModelConfig(n_layers=2))

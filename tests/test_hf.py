@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from conftest import FAST, Run, env, launch, relative_error
 from parallel3d.hf import families
-from parallel3d.checkpoint import Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.cli import convert_hf
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose
 from parallel3d.models import Transformer

@@ -13,7 +13,7 @@ import torch
 
 from hf_files import tiny_qwen3, token_batch
 from parallel3d.base import ConfigError
-from parallel3d.checkpoint import Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose, user_set_keys
 from parallel3d.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_hash
 from parallel3d.models import Transformer

@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 from bench_common import heading
-from parallel3d import checkpoint as checkpoint_module
-from parallel3d.checkpoint import Checkpointer, TrainState
+from parallel3d.checkpoint import checkpointer as checkpoint_module
+from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
 from parallel3d.optim.adamw import build_optimizer, init_optimizer_state
-from parallel3d.resume import pick_checkpoint
+from parallel3d.checkpoint.resume import pick_checkpoint
 
 
 def build_state(dim: int, layers: int) -> TrainState:

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from parallel3d.hf import families
 from parallel3d.data.tokenizer import tokenizer_file
 from parallel3d.hf.export import INDEX, plan_files, refuse_used, write_hf_folder  # noqa: F401  (INDEX, plan_files: the tool's API)
-from parallel3d.checkpoint import find_checkpoint
-from parallel3d.resume import checkpoint_problem
+from parallel3d.checkpoint.checkpointer import find_checkpoint
+from parallel3d.checkpoint.resume import checkpoint_problem
 from parallel3d.config.schema import ModelConfig
 from parallel3d.models.lora import is_adapter
 from parallel3d.hf.lora import adapted, merge_adapters, write_adapter

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from parallel3d.base import ConfigError, world_size_from_env
-from parallel3d.checkpoint import Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.config.schema import Config, ParallelConfig
 from parallel3d.data import Workers, open_eval_corpus
 from parallel3d.data.checks import check_heldout

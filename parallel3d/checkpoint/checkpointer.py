@@ -8,7 +8,7 @@
     meta.json                  step, data position, LR scheduler (for reference: a resumed run
                                takes its schedule from its config), the layout it was saved at
     config.yaml                the resolved config of the run that saved it
-    manifest.json              every file above with its size and XXH3 hashes (parallel3d/manifest.py),
+    manifest.json              every file above with its size and XXH3 hashes (parallel3d/checkpoint/manifest.py),
                                checked before a resume loads anything (resume.pick_checkpoint)
     COMPLETE                   written last: a folder without it is ignored, then removed
 
@@ -44,10 +44,10 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 
 from parallel3d.hf import families
 from parallel3d.config import hf_folder
-from parallel3d.checkpoint_failures import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
+from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.config.schema import CheckpointConfig
 from parallel3d.models.lora import is_adapter
-from parallel3d.manifest import file_entries, verify_manifest, write_manifest
+from parallel3d.checkpoint.manifest import file_entries, verify_manifest, write_manifest
 from parallel3d.optim.adamw import init_optimizer_state, set_schedule_step
 from parallel3d.progress import Progress
 

@@ -21,10 +21,10 @@ import torch.distributed as dist
 import yaml
 
 from parallel3d.base import ConfigError, RunError
-from parallel3d.checkpoint import COMPLETE, META, complete_steps, find_checkpoint
-from parallel3d.checkpoint_failures import CheckpointError, describe
+from parallel3d.checkpoint.checkpointer import COMPLETE, META, complete_steps, find_checkpoint
+from parallel3d.checkpoint.errors import CheckpointError, describe
 from parallel3d.data.tokenizer import tokenizer_hash
-from parallel3d.manifest import MANIFEST, ManifestMissing, first_problem, gathered, share_problem
+from parallel3d.checkpoint.manifest import MANIFEST, ManifestMissing, first_problem, gathered, share_problem
 
 # Keys that differ between any two starts and say nothing about training.
 UNCOMPARED = ("run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.create_seed")
