@@ -23,7 +23,7 @@ import torch.distributed as dist
 from parallel3d.metrics import max_memory_bytes, model_state_bytes, peak_flops
 from parallel3d.models import flops_per_token
 from parallel3d.step import Setup
-from parallel3d.straggler import StragglerWatch, burn, gather_hostnames
+from parallel3d.runtime.straggler import StragglerWatch, burn, gather_hostnames
 
 # The per-rank figures of one logging step, in the order they are gathered.
 MEMORY = ("max_memory_bytes", "param_bytes", "grad_bytes", "optim_state_bytes")

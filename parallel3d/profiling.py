@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from parallel3d.base import RunError
 from parallel3d.config.schema import Config
-from parallel3d.failures import log_path
+from parallel3d.runtime.failures import log_path
 from parallel3d.metrics import max_memory_bytes
 
 # Operator names of collectives and point-to-point transfers, as the profiler records them.

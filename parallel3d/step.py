@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from parallel3d.config.schema import Config
 from parallel3d.data import BatchSpec
 from parallel3d.data.documents import document_inputs, document_positions
-from parallel3d.guard import BadStepGuard, poison
+from parallel3d.runtime.guard import BadStepGuard, poison
 from parallel3d.parallel.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.models import Transformer
 from parallel3d.optim.muon import build_muon_adamw

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import CheckpointException
 
-from parallel3d import watchdog
+from parallel3d.runtime import watchdog
 from parallel3d.config import hf_folder
 from parallel3d.hf import families
 from parallel3d.base import ConfigError, world_size_from_env
@@ -32,14 +32,14 @@ from parallel3d.config.schema import CONF_DIR, Config, register_configs, user_se
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
 from parallel3d.data.checks import check_corpus, check_heldout
 from parallel3d.data.tokenizer import tokenizer_hash
-from parallel3d.distributed import init_distributed, report_hangs_in
+from parallel3d.runtime.process_group import init_distributed, report_hangs_in
 from parallel3d.evaluate import Evaluator
-from parallel3d.guard import BadStepGuard, TrainingDiverged
+from parallel3d.runtime.guard import BadStepGuard, TrainingDiverged
 from parallel3d.config.hf_folder import apply_hf_folder, describe
 from parallel3d.hf.export import save_run_model
 from parallel3d.models.lora import apply_lora
 from parallel3d.hf.lora import merged_state, split_adapters, write_adapter
-from parallel3d.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, log_path, report_failure,
+from parallel3d.runtime.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, log_path, report_failure,
                                  warnings_to_log)
 from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.meter import StepMeter
@@ -51,9 +51,9 @@ from parallel3d.profiling import StepProfiler
 from parallel3d.progress import Progress
 from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
                                report_changes, verify_init_from)
-from parallel3d.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
+from parallel3d.runtime.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
                                shared_run_dir, unwritable_run_dir)
-from parallel3d.signals import Interrupted, StopSignals, Stopped, interruptible
+from parallel3d.runtime.signals import Interrupted, StopSignals, Stopped, interruptible
 from parallel3d.step import Setup, build_setup, train_step
 from parallel3d.config.strict import RecipeError
 from parallel3d.validate import check

@@ -22,7 +22,7 @@ from parallel3d.optim.muon import OPTIMIZERS, check_muon_config
 from parallel3d.models.mla import check_attention
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
-from parallel3d.guard import check_bad_step_config
+from parallel3d.runtime.guard import check_bad_step_config
 from parallel3d.models.lora import check_lora
 from parallel3d.optim.adamw import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
 from parallel3d.optim.adamw import LR_SCHEDULES

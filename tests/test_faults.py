@@ -169,7 +169,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_
 
 
 def test_stop_signals_agree_ctrl_c_twice_exits_at_once(tmp_path, capsys):
-    from parallel3d.signals import StopSignals
+    from parallel3d.runtime.signals import StopSignals
 
     (tmp_path / "checkpoints" / "step_3").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_3" / "COMPLETE").write_text("")
@@ -198,7 +198,7 @@ def test_stop_signals_agree_ctrl_c_twice_exits_at_once(tmp_path, capsys):
 
 def test_a_failure_is_one_line_and_the_debug_switch_prints_the_traceback(tmp_path, monkeypatch, capsys):
     from parallel3d.base import RunError
-    from parallel3d.failures import report_failure
+    from parallel3d.runtime.failures import report_failure
 
     def fail():
         raise RunError("data/x.bin is broken. Fix: write it again")
@@ -227,7 +227,7 @@ RESTART_PROBE = """
 import os
 from datetime import timedelta
 import torch, torch.distributed as dist
-from parallel3d.distributed import attempt_store
+from parallel3d.runtime.process_group import attempt_store
 attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
 dist.init_process_group("gloo", store=attempt_store(timedelta(seconds=30)), rank=rank,
                         world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=30))
@@ -300,7 +300,7 @@ def test_warnings_of_other_ranks_go_to_their_log_file(tmp_path, monkeypatch, cap
     import warnings
 
     import torch  # noqa: F401  (registers torch's loggers and their console handlers)
-    from parallel3d import failures
+    from parallel3d.runtime import failures
 
     # restored after the test
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)

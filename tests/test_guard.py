@@ -1,4 +1,4 @@
-"""Bad steps (parallel3d/guard.py): one decision of all ranks, skipped or stopped, rolled back.
+"""Bad steps (parallel3d/runtime/guard.py): one decision of all ranks, skipped or stopped, rolled back.
 
 The guard's rules are unit tests (one process, and two gloo ranks that see different losses);
 end to end, ``debug.nan_steps`` poisons a step in one process and in dp2 x tp2 and pp2 layouts,
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import FAST, launch_batch, relative_error, tensorboard_scalars
-from parallel3d.guard import SPIKE_MIN_STEPS, BadStepGuard, TrainingDiverged
+from parallel3d.runtime.guard import SPIKE_MIN_STEPS, BadStepGuard, TrainingDiverged
 
 NAN_AT_7 = [*FAST, "debug.nan_steps=[7]", "train.on_bad_step=skip"]
 

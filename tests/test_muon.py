@@ -113,7 +113,7 @@ def test_one_process_equals_torch_muon_and_adamw_by_hand(model, one_thread):
 
 def test_a_skipped_step_moves_neither_weights_nor_momentum(one_thread):
     """The bad-step guard skips the one optimizer: Muon's matrices and momentum stay as they were."""
-    from parallel3d.guard import BadStepGuard
+    from parallel3d.runtime.guard import BadStepGuard
 
     setup = _setup([])
     guard = BadStepGuard(on_bad_step="skip", spike_factor=0.0, max_bad_steps=3, nan_steps=[2])

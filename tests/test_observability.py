@@ -9,7 +9,7 @@ import re
 import pytest
 
 from conftest import launch, launch_batch
-from parallel3d.straggler import StragglerWatch
+from parallel3d.runtime.straggler import StragglerWatch
 
 # Short runs of the tiny model: a rank that computes 0.5 s longer is many times the others' step.
 SHORT = ["train.steps=5", "optim.warmup_steps=1", "train.seq_len=32", "train.global_batch_size=8",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, env
-from parallel3d.rundir import (RunDirError, RunLock, given_run_dir, move_earlier_run_aside, own_run_dir,
+from parallel3d.runtime.rundir import (RunDirError, RunLock, given_run_dir, move_earlier_run_aside, own_run_dir,
                                release_run_dir, run_dir_override, shared_run_dir, unwritable_run_dir)
 
 

@@ -1,4 +1,4 @@
-"""Hangs named (parallel3d/watchdog.py): a stopped rank is named, with the step, and every rank's
+"""Hangs named (parallel3d/runtime/watchdog.py): a stopped rank is named, with the step, and every rank's
 Python stack lands in run_dir/logs.
 
 The end-to-end test SIGSTOPs rank 1 of a 2-rank torchrun job, as a frozen machine would be; rank 0's
@@ -21,16 +21,16 @@ from pathlib import Path
 import pytest
 
 from conftest import env
-from parallel3d.watchdog import Hang, describe
+from parallel3d.runtime.watchdog import Hang, describe
 
 TIMEOUT_S = 10
 STACKS = "Python stacks of every thread"
 
 
 def test_describe_names_silent_late_and_frozen_ranks():
-    assert describe(Hang(7, "all_reduce called from parallel3d/guard.py:97 (update_allowed)", [1], {1: 6}), 0) == (
+    assert describe(Hang(7, "all_reduce called from parallel3d/runtime/guard.py:97 (update_allowed)", [1], {1: 6}), 0) == (
         "rank 1 (last seen at step 6) stopped answering (no heartbeat) while rank 0 waited at step 7 in all_reduce "
-        "called from parallel3d/guard.py:97 (update_allowed)")
+        "called from parallel3d/runtime/guard.py:97 (update_allowed)")
     assert describe(Hang(7, "", [], {0: 7, 1: 5, 2: 5}), 0).startswith("ranks 1, 2 are alive but still at step 5")
     assert "did not run for 12 s" in describe(Hang(7, "", [0], {}, frozen_s=12.3), 1)
     assert "every rank is alive at step 7" in describe(Hang(7, "", [], {0: 7, 1: 7}), 0)

@@ -128,7 +128,7 @@ def _median_seconds(fn, steps: int) -> float:
 def muon_against_adamw(args) -> int:
     import os
 
-    from parallel3d.distributed import init_distributed
+    from parallel3d.runtime.process_group import init_distributed
     from parallel3d.planner import predict
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

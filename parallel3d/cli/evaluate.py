@@ -31,11 +31,11 @@ from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.config.schema import Config, ParallelConfig
 from parallel3d.data import Workers, open_eval_corpus
 from parallel3d.data.checks import check_heldout
-from parallel3d.distributed import init_distributed
+from parallel3d.runtime.process_group import init_distributed
 from parallel3d.evaluate import Evaluator
-from parallel3d.failures import report_failure
+from parallel3d.runtime.failures import report_failure
 from parallel3d.generate import resolve_checkpoint
-from parallel3d.rundir import rank
+from parallel3d.runtime.rundir import rank
 from parallel3d.step import build_setup
 from parallel3d.validate import check
 

@@ -157,7 +157,7 @@ class TrainConfig:
     float8: str = "none"
     float8_skip_small: bool = True  # skip linears torchao's H100 tables say lose in float8 (false: all but the head)
     float8_fsdp_all_gather: bool = False  # FSDP all-gathers weights in float8 (tensorwise; scales precomputed)
-    # A step with a non-finite loss or grad norm, or a grad-norm spike, is bad (parallel3d/guard.py,
+    # A step with a non-finite loss or grad norm, or a grad-norm spike, is bad (parallel3d/runtime/guard.py,
     # docs/troubleshooting.md): stop (one line naming it, exit 3) | skip (no update on any rank).
     on_bad_step: str = "stop"
     spike_factor: float = 0.0  # bad: grad norm > this x the median of the last 100 good steps; 0 = off

@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 from parallel3d.launch import sweep
-from parallel3d.rundir import given_run_dir, hydra_run_dir, run_dir_override
+from parallel3d.runtime.rundir import given_run_dir, hydra_run_dir, run_dir_override
 
 EXIT_CONFIG_ERROR = 2
 

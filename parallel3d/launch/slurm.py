@@ -31,7 +31,7 @@ from pathlib import Path
 
 from parallel3d.launch import sweep
 from parallel3d.launch.run import EXIT_CONFIG_ERROR, exit_if_invalid, hydra_reason, hydra_run_dir, pin_run_dir
-from parallel3d.rundir import given_run_dir
+from parallel3d.runtime.rundir import given_run_dir
 
 # torchrun's default set plus SIGUSR1, which it then passes on to its workers (it would die of it otherwise).
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel3d.rundir import MULTIRUN_FLAGS, given_run_dir, hydra_settings, key_of, run_dir_override
+from parallel3d.runtime.rundir import MULTIRUN_FLAGS, given_run_dir, hydra_settings, key_of, run_dir_override
 
 __all__ = ["MULTIRUN_FLAGS", "Job", "expand", "key_of", "plan", "record", "sweep_dir"]
 

@@ -1,5 +1,5 @@
 """The process group: one per run, over gloo (CPU) or NCCL (CUDA), with a timeout, and what
-names a hang when that timeout strikes: the watchdog (parallel3d/watchdog.py) and, on CUDA,
+names a hang when that timeout strikes: the watchdog (parallel3d/runtime/watchdog.py) and, on CUDA,
 NCCL's flight recorder."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel3d import watchdog
+from parallel3d.runtime import watchdog
 from parallel3d.base import resolve_device
-from parallel3d.failures import log_path
-from parallel3d.rundir import rank
+from parallel3d.runtime.failures import log_path
+from parallel3d.runtime.rundir import rank
 
 FLIGHT_RECORDER_ENTRIES = 20000  # the last collectives NCCL records per rank, dumped on a timeout
 

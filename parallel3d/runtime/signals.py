@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel3d.failures import EXIT_REQUEUE
+from parallel3d.runtime.failures import EXIT_REQUEUE
 
 
 class Stopped(Exception):
