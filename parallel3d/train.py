@@ -42,12 +42,12 @@ from parallel3d.hf.lora import merged_state, split_adapters, write_adapter
 from parallel3d.runtime.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, log_path, report_failure,
                                  warnings_to_log)
 from parallel3d.parallel.mesh import ParallelDims
-from parallel3d.meter import StepMeter
-from parallel3d.metrics import MetricsLogger, start_tensorboard, start_wandb
+from parallel3d.observe.meter import StepMeter
+from parallel3d.observe.metrics import MetricsLogger, start_tensorboard, start_wandb
 from parallel3d.models import Transformer, num_params
 from parallel3d.parallel.expert import moe_statistics
 from parallel3d.parallel.float8 import precompute_float8_scales
-from parallel3d.profiling import StepProfiler
+from parallel3d.observe.profiling import StepProfiler
 from parallel3d.progress import Progress
 from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
                                report_changes, verify_init_from)

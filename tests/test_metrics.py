@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import FAST, Run, env, launch, tensorboard_scalars
-from parallel3d.metrics import peak_flops
+from parallel3d.observe.metrics import peak_flops
 
 
 def wandb_records(path: Path):
@@ -158,7 +158,7 @@ def test_peak_flops_by_device_name(monkeypatch, name, dtype, expected):
     ({}, "online", "online"),
 ])
 def test_an_explicit_offline_wandb_mode_always_wins(monkeypatch, environ, configured, expected):
-    from parallel3d.metrics import wandb_mode
+    from parallel3d.observe.metrics import wandb_mode
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -171,7 +171,7 @@ def test_wandb_online_without_a_server_continues_offline_within_seconds(tmp_path
     """An API key and no reachable server (a closed port on loopback): offline, with a warning."""
 
     from parallel3d.config.schema import WandbConfig
-    from parallel3d.metrics import start_wandb
+    from parallel3d.observe.metrics import start_wandb
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -195,7 +195,7 @@ def test_wandb_online_with_a_silent_server_continues_offline(tmp_path, monkeypat
     """A server on loopback that accepts connections and never answers (server_reachable passes):
     wandb.init times out and the run goes on offline, with one line."""
     from parallel3d.config.schema import WandbConfig
-    from parallel3d.metrics import start_wandb
+    from parallel3d.observe.metrics import start_wandb
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

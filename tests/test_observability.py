@@ -1,5 +1,5 @@
-"""Per-rank timing and stragglers (parallel3d/meter.py, straggler.py) and profiler traces
-(parallel3d/profiling.py), on real 4-rank runs: one launch trains all four layouts."""
+"""Per-rank timing and stragglers (parallel3d/observe/meter.py, straggler.py) and profiler traces
+(parallel3d/observe/profiling.py), on real 4-rank runs: one launch trains all four layouts."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_out_of_memory_is_one_line_naming_the_fix(tmp_path):
 
     import torch
     from parallel3d.config.schema import compose
-    from parallel3d.profiling import StepProfiler, is_communication
+    from parallel3d.observe.profiling import StepProfiler, is_communication
 
     c = OmegaConf.to_object(compose([f"run_dir={tmp_path}"]))
     profiler = StepProfiler(c, tmp_path, 0, 1, torch.device("cpu"), say=print)

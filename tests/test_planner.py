@@ -24,7 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from parallel3d.config.schema import compose
 from parallel3d.parallel.mesh import ParallelDims, build_mesh
-from parallel3d.metrics import model_state_bytes
+from parallel3d.observe.metrics import model_state_bytes
 from parallel3d.models import Transformer
 from parallel3d.optim.adamw import build_optimizer
 from parallel3d.parallel import ParallelPlan, parallelize

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from parallel3d.report import main, report
+from parallel3d.observe.report import main, report
 
 
 def write_run(run_dir, rows):

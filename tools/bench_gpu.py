@@ -10,7 +10,7 @@ one process; parallel3d compiled with float8 matmuls (torchao, tensorwise and ro
 Tokens/s is the median over the log intervals after the first (which holds compilation and the
 allocator's warm-up), each interval timed as parallel3d's metrics.jsonl times it: wall time
 between two host syncs. MFU = tokens/s x FLOPs per token / the device's peak
-(``parallel3d.metrics.PEAK_FLOPS``: dense bf16, for the float8 loops too, as torchtitan reports
+(``parallel3d.observe.metrics.PEAK_FLOPS``: dense bf16, for the float8 loops too, as torchtitan reports
 them), with FLOPs per token counted both ways (``flop_counts``): 6 per matmul weight plus attention
 scores without the causal half (PaLM's and torchtitan's count), and with it.
 The peak is the allocator's (``torch.cuda.max_memory_allocated``); the planner predicts eager
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from bench_common import heading  # noqa: E402
 from bench_overhead import ours_records, plain_records  # noqa: E402
 from parallel3d.config.schema import compose  # noqa: E402
-from parallel3d.metrics import peak_flops  # noqa: E402
+from parallel3d.observe.metrics import peak_flops  # noqa: E402
 from parallel3d.models import flops_per_token  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_common import heading  # noqa: E402
-from parallel3d.meter import gather_per_rank, spread  # noqa: E402
+from parallel3d.observe.meter import gather_per_rank, spread  # noqa: E402
 from parallel3d.runtime.straggler import StragglerWatch  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def before(values: list[float]) -> None:
 
 
 def gathered(values: list[float]) -> list[list[float]]:
-    """The read now: every rank's six figures, one all_gather (parallel3d/meter.py)."""
+    """The read now: every rank's six figures, one all_gather (parallel3d/observe/meter.py)."""
     return gather_per_rank(values, torch.device("cpu"))
 
 

@@ -25,7 +25,7 @@ class Hardware:
     gpus_per_node: int = 8
     intra_node_bw: float = 450e9  # bytes/s one GPU sends inside a node (NVLink 4: 900 GB/s both ways)
     inter_node_bw: float = 50e9  # bytes/s one GPU sends across nodes (a 400 Gb/s NIC per GPU)
-    peak_flops: float = 989e12  # dense bf16, parallel3d.metrics.PEAK_FLOPS["H100"]
+    peak_flops: float = 989e12  # dense bf16, parallel3d.observe.metrics.PEAK_FLOPS["H100"]
     efficiency: float = 0.5  # share of peak that large matmuls reach (the best MFU a layout can get)
     usable_memory: float = 0.9  # share of GPU memory to plan for: CUDA context, NCCL, fragmentation
 

@@ -1,6 +1,6 @@
 """Name a rank that is slower than the others, on the console, with its host.
 
-A rank is a straggler at a logging step when its step time (its busy time, parallel3d/meter.py)
+A rank is a straggler at a logging step when its step time (its busy time, parallel3d/observe/meter.py)
 is over ``logging.straggler_factor`` times the median over the ranks; after
 ``logging.straggler_steps`` such logging steps in a row it gets one line, and another only after
 it has recovered and fallen behind again. ``debug.slow_rank`` makes a rank slow on purpose, to

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from parallel3d.base import RunError
 from parallel3d.config.schema import Config
 from parallel3d.runtime.failures import log_path
-from parallel3d.metrics import max_memory_bytes
+from parallel3d.observe.metrics import max_memory_bytes
 
 # Operator names of collectives and point-to-point transfers, as the profiler records them.
 COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:", "record_param_comms")
