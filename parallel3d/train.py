@@ -33,7 +33,7 @@ from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, 
 from parallel3d.data.checks import check_corpus, check_heldout
 from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.runtime.process_group import init_distributed, report_hangs_in
-from parallel3d.evaluate import Evaluator
+from parallel3d.inference.evaluate import Evaluator
 from parallel3d.runtime.guard import BadStepGuard, TrainingDiverged
 from parallel3d.config.hf_folder import apply_hf_folder, describe
 from parallel3d.hf.export import save_run_model

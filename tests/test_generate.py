@@ -25,7 +25,7 @@ from parallel3d.cli import convert_hf
 from parallel3d.cli import generate as generate_cli
 from parallel3d.config.schema import ModelConfig, compose
 from parallel3d.data.tokenizer import load_tokenizer
-from parallel3d.generate import generate, load_model
+from parallel3d.inference.generate import generate, load_model
 from parallel3d.models import Transformer
 from parallel3d.models.kv_cache import KVCache
 
@@ -228,7 +228,7 @@ def harness_samples(model: str, model_args: str, tasks: Path) -> tuple[dict, dic
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    import parallel3d.lm_eval_adapter  # noqa: F401  (registers the parallel3d model)
+    import parallel3d.inference.lm_eval_adapter  # noqa: F401  (registers the parallel3d model)
 
     out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS), log_samples=True,
                                   task_manager=TaskManager(include_path=str(tasks)), batch_size=1)

@@ -79,9 +79,9 @@ def test_logits_equal_transformers(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["q_lora", "yarn"])
 def test_greedy_generation_equals_transformers(tmp_path, capsys, name):
-    """Decoding with the KV cache (parallel3d.generate) from the imported folder gives transformers'
+    """Decoding with the KV cache (parallel3d.inference.generate) from the imported folder gives transformers'
     greedy ids; so does parallel3d-generate --token-ids on the folder."""
-    from parallel3d.generate import generate
+    from parallel3d.inference.generate import generate
 
     reference = hf_folder(tmp_path, **FOLDERS[name])
     model, _ = ours(tmp_path)

@@ -130,7 +130,7 @@ def _assert_generation_model_has_the_adapters(step_dir, merged_dir) -> None:
     """parallel3d-generate, parallel3d-evaluate's lm-eval adapter: the checkpoint's model, adapters included."""
     from transformers import AutoModelForCausalLM
 
-    from parallel3d.generate import load_model
+    from parallel3d.inference.generate import load_model
 
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -8,7 +8,7 @@ CHECKPOINT: a step_<N> folder, or a run_dir or its checkpoints/ folder (the newe
 checkpoint that verifies). The config is the checkpoint's own config.yaml with its layout
 (``parallel.*``) reset to the defaults, then the overrides: ``eval.sources=[held_out.jsonl]`` (or
 ``eval.fraction`` of the run's data.sources), ``eval.batches``, ``parallel.tp=2``... Training's own
-evaluation runs (parallel3d/evaluate.py): the same batches, the same val_loss at every layout.
+evaluation runs (parallel3d/inference/evaluate.py): the same batches, the same val_loss at every layout.
 
 The result is printed and appended as one JSON line to ``run_dir/metrics.jsonl``, where run_dir
 defaults to ``<the training run_dir>/eval/step_<N>`` (set ``run_dir=`` to choose): never the
@@ -32,9 +32,9 @@ from parallel3d.config.schema import Config, ParallelConfig
 from parallel3d.data import Workers, open_eval_corpus
 from parallel3d.data.checks import check_heldout
 from parallel3d.runtime.process_group import init_distributed
-from parallel3d.evaluate import Evaluator
+from parallel3d.inference.evaluate import Evaluator
 from parallel3d.runtime.failures import report_failure
-from parallel3d.generate import resolve_checkpoint
+from parallel3d.inference.generate import resolve_checkpoint
 from parallel3d.runtime.rundir import rank
 from parallel3d.step import build_setup
 from parallel3d.validate import check

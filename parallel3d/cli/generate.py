@@ -25,7 +25,7 @@ import torch
 
 from parallel3d.base import RunError
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
-from parallel3d.generate import generate, load_hf_model, load_model, resolve_checkpoint, saved_config
+from parallel3d.inference.generate import generate, load_hf_model, load_model, resolve_checkpoint, saved_config
 from parallel3d.config.hf_folder import is_hf_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

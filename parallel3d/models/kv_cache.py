@@ -5,7 +5,7 @@ cache holds: their RoPE positions follow the cached tokens', each block's attent
 new keys and values to the cache and attends over all of them, and the cache then counts the new
 tokens. Training never passes a cache: its path is unchanged.
 
-One process holds the whole model (``parallel3d.generate``): no tensor or context parallel split.
+One process holds the whole model (``parallel3d.inference.generate``): no tensor or context parallel split.
 """
 
 from __future__ import annotations

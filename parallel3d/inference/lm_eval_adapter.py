@@ -1,9 +1,9 @@
 """lm-evaluation-harness on a parallel3d checkpoint: the model ``parallel3d`` in lm_eval's registry.
 
-    python -m parallel3d.lm_eval_adapter --model parallel3d --model_args checkpoint=RUN_DIR \\
+    python -m parallel3d.inference.lm_eval_adapter --model parallel3d --model_args checkpoint=RUN_DIR \\
         --tasks hellaswag [any other lm_eval option]
 
-or, in Python, ``import parallel3d.lm_eval_adapter`` (registers it) and
+or, in Python, ``import parallel3d.inference.lm_eval_adapter`` (registers it) and
 ``lm_eval.simple_evaluate(model="parallel3d", model_args="checkpoint=RUN_DIR", tasks=[...])``.
 model_args: ``checkpoint`` (a run_dir, checkpoints/ or step_<N> folder), ``device``, ``dtype``
 (float32, bfloat16), ``max_length`` (default the model's max_seq_len), ``verify``.
@@ -12,7 +12,7 @@ The requests are scored as lm_eval's ``hf`` model scores them on the exported fo
 own context/continuation split, no BOS added, the BOS -- else EOS -- token as the prefix of an
 empty context, contexts cut from the left to ``max_length``): the same numbers, from the
 checkpoint itself. One request per forward (no padding). ``generate_until`` decodes greedily
-(or with the request's temperature) with ``parallel3d.generate``. lm_eval is imported here only:
+(or with the request's temperature) with ``parallel3d.inference.generate``. lm_eval is imported here only:
 ``pip install parallel3d[eval]``.
 """
 
@@ -29,7 +29,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from parallel3d.data.tokenizer import load_tokenizer
-from parallel3d.generate import generate, load_model, resolve_checkpoint, saved_config
+from parallel3d.inference.generate import generate, load_model, resolve_checkpoint, saved_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
