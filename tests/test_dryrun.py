@@ -3,7 +3,7 @@
 Memory: the model-state bytes it reports are the ones a real run measures, and fake tensors
 report what real ones do (peak included). Communication: the
 bytes each collective moves per step, per mesh dimension, against closed forms for the layout
-(payload convention of parallel3d/dryrun.py: all-gather output, reduce-scatter input, all-reduce
+(payload convention of parallel3d/planner/dryrun.py: all-gather output, reduce-scatter input, all-reduce
 and send/recv the tensor). Each closed form is the minimum for how the program runs, and every
 byte beyond it is listed with its reason.
 """
@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from conftest import FAST, launch
 from parallel3d.config.schema import ModelConfig, compose
-from parallel3d.dryrun import RankReport, dry_run, run_rank
+from parallel3d.planner.dryrun import RankReport, dry_run, run_rank
 from parallel3d.models import Transformer, num_params
 from parallel3d.planner import predict
 from parallel3d.planner.comm import ring, stage_traffic
@@ -410,7 +410,7 @@ def test_a_training_step_never_waits_for_the_device(world, overrides):
 
 
 def test_host_reads_are_recorded():
-    from parallel3d.dryrun import CommRecorder
+    from parallel3d.planner.dryrun import CommRecorder
 
     with CommRecorder({}) as recorder:
         x = torch.arange(4.0)

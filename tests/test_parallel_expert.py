@@ -150,7 +150,7 @@ def test_dry_run_sends_the_planned_all_to_all_bytes():
     """The dry run (fake tensors: routing taken balanced, as the planner takes it) through ep2 x pp2:
     the all-to-all bytes rank 0 sends are the planner's, the routing counts' exchange included (8
     experts x int64 per MoE block and micro batch, forward only, half of it to the other rank)."""
-    from parallel3d.dryrun import dry_run
+    from parallel3d.planner.dryrun import dry_run
     from parallel3d.planner import predict
 
     overrides = [*FAST, *MOE, "parallel.ep=2", "parallel.pp=2", "run_dir=/nonexistent"]
@@ -166,7 +166,7 @@ def test_dry_run_sends_the_planned_all_to_all_bytes():
 def test_recomputed_blocks_exchange_their_tokens_again_as_planned(mode):
     """A recomputed MoE block (op: the combine's output is no matmul's, so the replay reaches both
     all-to-alls; selective: the checkpointed blocks only) sends its tokens again in backward."""
-    from parallel3d.dryrun import dry_run
+    from parallel3d.planner.dryrun import dry_run
     from parallel3d.planner import predict
 
     overrides = [*FAST, *MOE, "parallel.ep=2", f"model.activation_checkpoint={mode}", "run_dir=/nonexistent"]
@@ -202,7 +202,7 @@ def test_dry_run_shards_the_experts_and_sums_the_aux_counts_as_planned():
     """ep2 x cp2 x dp2, ZeRO-3 (ep takes the cp ranks, expert_dp the dp ones): the experts' own FSDP
     units gather and reduce-scatter over expert_dp, and each MoE block forward all-reduces its
     sequences' expert counts (b x 8 float32) over cp, exactly the bytes the planner counts."""
-    from parallel3d.dryrun import dry_run
+    from parallel3d.planner.dryrun import dry_run
     from parallel3d.planner import predict
 
     overrides = [*FAST, *MOE, "parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=3",

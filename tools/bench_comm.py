@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Communication per layout: every collective a training step runs, measured by the dry run
-(parallel3d/dryrun.py: the real program on fake tensors and torch's fake process group), next to
+(parallel3d/planner/dryrun.py: the real program on fake tensors and torch's fake process group), next to
 what the planner predicts. Prints a Markdown table for BENCHMARKS.md.
 
     python tools/bench_comm.py                      # the tiny model in the standard layouts
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from bench_common import print_dry_run_table  # noqa: E402
 from parallel3d.config.schema import compose  # noqa: E402
-from parallel3d.dryrun import dry_run  # noqa: E402
+from parallel3d.planner.dryrun import dry_run  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
 
 SCALAR_BYTES = 1024

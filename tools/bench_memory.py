@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Peak memory per rank: the dry run's measurement (parallel3d/dryrun.py: the real program on fake
+"""Peak memory per rank: the dry run's measurement (parallel3d/planner/dryrun.py: the real program on fake
 tensors, every tensor storage followed by torch's MemTracker) against the planner's prediction,
 for the layouts the README recommends and the 405B recipe. Prints a Markdown table.
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from bench_common import print_dry_run_table  # noqa: E402
 from parallel3d.config.schema import compose  # noqa: E402
-from parallel3d.dryrun import dry_run  # noqa: E402
+from parallel3d.planner.dryrun import dry_run  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
 
 GiB = 2**30

@@ -8,7 +8,7 @@ process group, reporting each rank's memory and the bytes its collectives move i
 
 Ranks default to the first of each pipeline stage. Memory is tensor memory (params, grads,
 optimizer state, activations, temporaries) as torch's MemTracker follows it; a GPU adds its CUDA
-context, NCCL buffers and allocator fragmentation on top. See parallel3d/dryrun.py.
+context, NCCL buffers and allocator fragmentation on top. See parallel3d/planner/dryrun.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from parallel3d.dryrun import RankReport, dry_run
+from parallel3d.planner.dryrun import RankReport, dry_run
 from parallel3d.validate import ConfigError
 
 UNITS = {"GiB": 2**30, "MiB": 2**20}
