@@ -23,41 +23,60 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import CheckpointException
 
-from parallel3d.runtime import watchdog
-from parallel3d.config import hf_folder
-from parallel3d.hf import families
 from parallel3d.base import ConfigError, world_size_from_env
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState, full_model_state
+from parallel3d.checkpoint.resume import (
+    check_hf_weights,
+    check_not_past_end,
+    check_tokenizer,
+    pick_checkpoint,
+    report_changes,
+    verify_init_from,
+)
+from parallel3d.config import hf_folder
+from parallel3d.config.hf_folder import apply_hf_folder, describe
 from parallel3d.config.schema import CONF_DIR, Config, register_configs, user_set_keys
+from parallel3d.config.strict import RecipeError
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
 from parallel3d.data.checks import check_corpus, check_heldout
 from parallel3d.data.tokenizer import tokenizer_hash
-from parallel3d.runtime.process_group import init_distributed, report_hangs_in
-from parallel3d.inference.evaluate import Evaluator
-from parallel3d.runtime.guard import BadStepGuard, TrainingDiverged
-from parallel3d.config.hf_folder import apply_hf_folder, describe
+from parallel3d.hf import families
 from parallel3d.hf.export import save_run_model
-from parallel3d.models.lora import apply_lora
 from parallel3d.hf.lora import merged_state, split_adapters, write_adapter
-from parallel3d.runtime.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, log_path, report_failure,
-                                 warnings_to_log)
-from parallel3d.parallel.mesh import ParallelDims
+from parallel3d.inference.evaluate import Evaluator
+from parallel3d.models import Transformer, num_params
+from parallel3d.models.lora import apply_lora
 from parallel3d.observe.meter import StepMeter
 from parallel3d.observe.metrics import MetricsLogger, start_tensorboard, start_wandb
-from parallel3d.models import Transformer, num_params
+from parallel3d.observe.profiling import StepProfiler
 from parallel3d.parallel.expert import moe_statistics
 from parallel3d.parallel.float8 import precompute_float8_scales
-from parallel3d.observe.profiling import StepProfiler
+from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.progress import Progress
-from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
-                               report_changes, verify_init_from)
-from parallel3d.runtime.rundir import (output_dir_is_run_dir, own_run_dir, rank, register_rank0_dir, release_run_dir,
-                               shared_run_dir, unwritable_run_dir)
-from parallel3d.runtime.signals import Interrupted, StopSignals, Stopped, interruptible
+from parallel3d.runtime import watchdog
+from parallel3d.runtime.failures import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_REQUEUE,
+    SweepFailures,
+    log_path,
+    report_failure,
+    warnings_to_log,
+)
+from parallel3d.runtime.guard import BadStepGuard, TrainingDiverged
+from parallel3d.runtime.process_group import init_distributed, report_hangs_in
+from parallel3d.runtime.rundir import (
+    output_dir_is_run_dir,
+    own_run_dir,
+    rank,
+    register_rank0_dir,
+    release_run_dir,
+    shared_run_dir,
+    unwritable_run_dir,
+)
+from parallel3d.runtime.signals import Interrupted, Stopped, StopSignals, interruptible
 from parallel3d.step import Setup, build_setup, train_step
-from parallel3d.config.strict import RecipeError
 from parallel3d.validate import check
-
 
 SWEEP_FAILURES = SweepFailures()
 
@@ -155,6 +174,13 @@ def banner(c: Config, dims: ParallelDims, device_type: str, world_size: int, run
             f"run_dir {run_dir}")
 
 
+def planned_peaks(setup: Setup) -> list[int]:
+    """The planner's peak bytes of each pipeline rank (profile.memory compares them with the measured)."""
+    from parallel3d.planner import predict
+
+    return [r.peak_bytes for r in predict(setup.config, setup.dims.world_size).ranks]
+
+
 class TrainLoop:
     """The loop over optimizer steps. Extension points: ``step`` is one step's body (data in,
     loss and gradient norm out); ``after_step`` holds what follows it (metrics, checkpoints), in
@@ -168,7 +194,7 @@ class TrainLoop:
         self.logger, self.progress, self.config_yaml = logger, progress, config_yaml
         self.meter = StepMeter(setup, warn=progress.write)
         self.profiler = StepProfiler(setup.config, Path(setup.config.run_dir), rank(), setup.dims.world_size,
-                                     setup.device, say=progress.write)
+                                     setup.device, say=progress.write, planned_peaks=lambda: planned_peaks(setup))
         self.tokenizer = tokenizer_hash(setup.config.data.tokenizer)  # in each checkpoint: a resume must match it
         self.evaluator, self.evaluation = evaluator, {}
         self.after_step: list[Callable[[int, torch.Tensor, torch.Tensor, float], None]] = [

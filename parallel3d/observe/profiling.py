@@ -21,8 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from parallel3d.base import RunError
 from parallel3d.config.schema import Config
-from parallel3d.runtime.failures import log_path
 from parallel3d.observe.metrics import max_memory_bytes
+from parallel3d.runtime.failures import log_path
 
 # Operator names of collectives and point-to-point transfers, as the profiler records them.
 COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:", "record_param_comms")
@@ -36,11 +36,14 @@ def is_communication(name: str) -> bool:
 
 class StepProfiler:
     """Starts the profiler before step a, stops it after step b; dumps memory on out-of-memory.
-    ``say`` prints a line (rank 0's console); the other ranks' lines go to their logs."""
+    ``say`` prints a line (rank 0's console); the other ranks' lines go to their logs. With
+    ``profile.memory``, ``planned_peaks()`` gives the planner's peak bytes of each pipeline rank, asked
+    only then (the planner sits above what it observes)."""
 
     def __init__(self, c: Config, run_dir: Path, rank: int, world_size: int, device: torch.device,
-                 say: Callable[[str], None]):
+                 say: Callable[[str], None], planned_peaks: Callable[[], list[int]] = list):
         self.c, self.rank, self.world_size, self.device = c, rank, world_size, device
+        self.planned_peaks = planned_peaks
         self.say, self.log_file = say, log_path(run_dir, rank) if rank else None
         self.first, self.last = (c.profile.steps or [0, -1])
         self.here = bool(c.profile.steps) and (c.profile.ranks is None or rank in c.profile.ranks)
@@ -88,19 +91,17 @@ class StepProfiler:
 
     def compare_peaks(self) -> None:
         """Each rank's measured peak beside the planner's prediction for its pipeline rank."""
-        from parallel3d.planner import predict
-
         peak = torch.tensor([float(max_memory_bytes(self.device))], dtype=torch.float64, device=self.device)
         peaks = [peak.clone() for _ in range(self.world_size)]
         if dist.is_initialized():
             dist.all_gather(peaks, peak)
         if self.rank != 0:
             return
-        plan = predict(self.c, self.world_size)
-        per_pp = len(peaks) // len(plan.ranks)
+        planned = self.planned_peaks()
+        per_pp = len(peaks) // len(planned)
         what = "allocator peak" if self.device.type == "cuda" else "resident set size (the whole process)"
         for r, measured in enumerate(peaks):
-            predicted = plan.ranks[r // per_pp].peak_bytes
+            predicted = planned[r // per_pp]
             self.say(f"parallel3d: memory: rank {r} measured {measured.item() / GIB:.3f} GiB ({what}), "
                      f"planner predicted {predicted / GIB:.3f} GiB")
 
