@@ -23,17 +23,17 @@ from torch.distributed.tensor.parallel import loss_parallel
 from parallel3d.config.schema import Config
 from parallel3d.data import BatchSpec
 from parallel3d.data.documents import document_inputs, document_positions
-from parallel3d.runtime.guard import BadStepGuard, poison
-from parallel3d.parallel.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.models import Transformer
-from parallel3d.optim.muon import build_muon_adamw
 from parallel3d.optim.adamw import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
+from parallel3d.optim.muon import build_muon_adamw
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync
 from parallel3d.parallel.expert import configure_moe, update_router_bias
 from parallel3d.parallel.float8 import precompute_float8_scales
+from parallel3d.parallel.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
+from parallel3d.runtime.guard import BadStepGuard, poison
 
 # (inputs, targets), or for packed instruction data (inputs, targets, sample ids): each (b, s)
 MicroBatches = list[tuple[torch.Tensor, ...]]

@@ -18,20 +18,25 @@ import torch
 
 from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device, world_size_from_env
 from parallel3d.checkpoint.checks import check_checkpoint, run_dir_of
-from parallel3d.optim.muon import OPTIMIZERS, check_muon_config
-from parallel3d.models.mla import check_attention
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
-from parallel3d.runtime.guard import check_bad_step_config
 from parallel3d.models.lora import check_lora
+from parallel3d.models.mla import check_attention
 from parallel3d.optim.adamw import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
 from parallel3d.optim.adamw import LR_SCHEDULES
+from parallel3d.optim.muon import OPTIMIZERS, check_muon_config
 from parallel3d.parallel.activation import AC_MODES
 from parallel3d.parallel.expert import check_experts
 from parallel3d.parallel.float8 import check_float8
 from parallel3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from parallel3d.parallel.pipeline import (fits_rounds, fixed_stages_per_rank, layer_split, min_microbatches,
-                                         stages_per_rank)
+from parallel3d.parallel.pipeline import (
+    fits_rounds,
+    fixed_stages_per_rank,
+    layer_split,
+    min_microbatches,
+    stages_per_rank,
+)
+from parallel3d.runtime.guard import check_bad_step_config
 
 # Re-exported: callers written before parallel3d.base import these names from here.
 __all__ = ["ConfigError", "DTYPES", "check", "divisors", "resolve", "resolve_device", "world_size_from_env"]

@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import FAST, Run, final_weights, launch, launch_batch, relative_error, selected_params
+
 import parallel3d.checkpoint.checkpointer as checkpoint_module
 import parallel3d.checkpoint.manifest as manifest_module
 from parallel3d.base import RunError
 from parallel3d.checkpoint.checkpointer import COMPLETE, Checkpointer, TrainState, complete_steps, find_checkpoint
 from parallel3d.checkpoint.errors import CheckpointError
-from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.checkpoint.manifest import read_manifest
+from parallel3d.checkpoint.resume import pick_checkpoint
+from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
 from parallel3d.optim.adamw import build_lr_scheduler
-from parallel3d.checkpoint.resume import pick_checkpoint
 
 SAVE = [*FAST, "checkpoint.every=5", "train.save_model=true"]
 DP2_TP2 = ["parallel.dp_shard=2", "parallel.tp=2"]

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST, Run, launch, launch_batch
 from safetensors.torch import load_file
 
-from conftest import FAST, Run, launch, launch_batch
 from parallel3d.base import RunError
 from parallel3d.checkpoint.checkpointer import COMPLETE, Checkpointer, TrainState, complete_steps
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors
-from parallel3d.config.schema import CheckpointConfig, ModelConfig
-from parallel3d.runtime.failures import report_failure
 from parallel3d.checkpoint.manifest import MANIFEST, read_manifest
-from parallel3d.models import Transformer
 from parallel3d.checkpoint.resume import checkpoint_problem, pick_checkpoint, verify_init_from
+from parallel3d.config.schema import CheckpointConfig, ModelConfig
+from parallel3d.models import Transformer
+from parallel3d.runtime.failures import report_failure
 
 SAVING = [*FAST, "train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0", "parallel.dp_shard=2"]
 

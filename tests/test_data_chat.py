@@ -8,8 +8,8 @@ writes an empty <think> block into the final turn, which the mask must then cove
 from __future__ import annotations
 
 import pytest
-
 from chat_files import CONVERSATIONS, STYLES, chat_tokenizer_folder
+
 from parallel3d.data.chat import chat_ids_and_mask, chat_token_ids, load_chat_template
 from parallel3d.data.tokenizer import HFTokenizer
 

@@ -9,8 +9,7 @@ import shutil
 import pytest
 from data_files import documents, write_jsonl
 
-from parallel3d.data import TokenFile, load_tokenizer
-from parallel3d.data import integrity
+from parallel3d.data import TokenFile, integrity, load_tokenizer
 from parallel3d.data import sources as src
 from parallel3d.data.shards import prepare_shards
 

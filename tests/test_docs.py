@@ -19,12 +19,12 @@ from omegaconf import OmegaConf
 
 from parallel3d.base import RunError, resolve_device
 from parallel3d.checkpoint.checkpointer import META
+from parallel3d.checkpoint.resume import check_not_past_end
 from parallel3d.config.schema import compose
-from parallel3d.runtime.failures import report_failure
 from parallel3d.launch.run import first_config_error
 from parallel3d.launch.slurm import script_for
 from parallel3d.parallel.mesh import ParallelDims
-from parallel3d.checkpoint.resume import check_not_past_end
+from parallel3d.runtime.failures import report_failure
 from parallel3d.train import banner
 from parallel3d.validate import check
 

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import FAST, launch
 from omegaconf import OmegaConf
 
-from conftest import FAST, launch
 from parallel3d.config.schema import ModelConfig, compose
-from parallel3d.planner.dryrun import RankReport, dry_run, run_rank
 from parallel3d.models import Transformer, num_params
 from parallel3d.planner import predict
 from parallel3d.planner.comm import ring, stage_traffic
+from parallel3d.planner.dryrun import RankReport, dry_run, run_rank
 from parallel3d.planner.layout import rank_stages
 from parallel3d.validate import ConfigError, check
 

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST, Run, env, launch
+
 from parallel3d.optim.adamw import lr_factor
 
 BASE = [*FAST, "train.steps=4", "checkpoint.every=2"]
@@ -282,8 +282,8 @@ def test_the_dry_run_tool_shows_its_progress_rank_by_rank(capsys):
 def test_empty_or_truncated_token_data_is_named(tmp_path):
     from types import SimpleNamespace
 
-    from parallel3d.data import ByteTokenizer, TokenFile, write_token_file
     from parallel3d.base import RunError
+    from parallel3d.data import ByteTokenizer, TokenFile, write_token_file
     from parallel3d.data.checks import check_corpus
 
     path = write_token_file(["tiny"], ByteTokenizer(), tmp_path / "tiny.bin")
@@ -300,6 +300,7 @@ def test_warnings_of_other_ranks_go_to_their_log_file(tmp_path, monkeypatch, cap
     import warnings
 
     import torch  # noqa: F401  (registers torch's loggers and their console handlers)
+
     from parallel3d.runtime import failures
 
     # restored after the test

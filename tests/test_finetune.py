@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from chat_files import chat_records, llama_folder, write_jsonl
 from conftest import assert_matches, launch, launch_batch, relative_error
 

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from chat_files import chat_tokenizer_folder
 from conftest import FAST, launch
 from data_files import documents, write_jsonl
-from parallel3d.hf import families
+from omegaconf import OmegaConf
+
 from parallel3d.cli import convert_hf
 from parallel3d.cli import generate as generate_cli
 from parallel3d.config.schema import ModelConfig, compose
 from parallel3d.data.tokenizer import load_tokenizer
+from parallel3d.hf import families
 from parallel3d.inference.generate import generate, load_model
 from parallel3d.models import Transformer
 from parallel3d.models.kv_cache import KVCache

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import FAST, launch_batch, relative_error, tensorboard_scalars
+
 from parallel3d.runtime.guard import SPIKE_MIN_STEPS, BadStepGuard, TrainingDiverged
 
 NAN_AT_7 = [*FAST, "debug.nan_steps=[7]", "train.on_bad_step=skip"]

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST, Run, env, launch, relative_error
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import FAST, Run, env, launch, relative_error
-from parallel3d.hf import families
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.cli import convert_hf
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose
+from parallel3d.hf import families
 from parallel3d.models import Transformer
 
 # In-process DCP loads (no process group) say so on every call; that is the intent here.

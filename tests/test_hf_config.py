@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hf_files import tiny_qwen3, token_batch
+from omegaconf import OmegaConf
+
 from parallel3d.base import ConfigError
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose, user_set_keys
 from parallel3d.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_hash
 from parallel3d.models import Transformer
 from parallel3d.planner import predict
-from omegaconf import OmegaConf
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -11,9 +11,9 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-from parallel3d.hf import families
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose
+from parallel3d.hf import families
 from parallel3d.models import Transformer
 
 transformers = pytest.importorskip("transformers")

@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import FAST, launch_batch
 from hf_files import TEXT, tiny_qwen3, token_batch
+from safetensors.torch import load_file, save_file
+
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.cli import convert_hf
 from parallel3d.config.schema import CheckpointConfig
@@ -117,6 +117,7 @@ def test_tokenizer_files_out(tmp_path):
     """A folder whose template ends turns with another token than eos stops generation at both; a
     bare tokenizer.json gets a tokenizer_config.json that AutoTokenizer reads with its eos."""
     from hf_files import tiny_tokenizer
+
     from parallel3d.hf.export import generation_config, token_ids, write_tokenizer
 
     source = tiny_tokenizer(tmp_path / "base", eos="<|endoftext|>")  # Qwen3 base: eos <|endoftext|>

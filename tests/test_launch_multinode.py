@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import FAST, Run, env, launch, relative_error
 from virtual_cluster import TERMINAL, Nodes, SlurmCluster, cluster_unavailable, nodes_unavailable
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import env
 
 GPU_JOB = ["recipe=llama3_8b", "slurm.nodes=4", "slurm.partition=gpu", "slurm.account=proj42", "slurm.time=2-00:00:00",

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import FAST, Run, env, refused_by_the_launcher, relative_error
 from omegaconf import OmegaConf
 
-from conftest import FAST, Run, env, refused_by_the_launcher, relative_error
 from parallel3d.launch.sweep import expand, plan
 
 

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_matches, layouts, prefetch_selected, relative_error
-from parallel3d.hf import families
 from parallel3d.base import ConfigError
 from parallel3d.config.schema import LoRAConfig, ModelConfig, OptimConfig, compose
+from parallel3d.hf import families
 from parallel3d.models.lora import apply_lora, is_adapter
 from parallel3d.validate import check
 

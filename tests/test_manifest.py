@@ -9,9 +9,16 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from parallel3d.checkpoint.manifest import (MANIFEST, ManifestMissing, file_entries, hash_of, read_manifest, verify_manifest,
-                                 write_manifest)
 import parallel3d.checkpoint.manifest as manifest_module
+from parallel3d.checkpoint.manifest import (
+    MANIFEST,
+    ManifestMissing,
+    file_entries,
+    hash_of,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
 
 
 def folder_with_manifest(tmp_path):

@@ -3,9 +3,8 @@ reference, the aux loss's value and gradient, published sizes, Qwen3's q/k norm.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import math
+from dataclasses import replace
 
 import pytest
 import torch

@@ -7,8 +7,8 @@ import json
 import re
 
 import pytest
-
 from conftest import launch, launch_batch
+
 from parallel3d.runtime.straggler import StragglerWatch
 
 # Short runs of the tiny model: a rank that computes 0.5 s longer is many times the others' step.
@@ -91,9 +91,9 @@ def test_a_straggler_is_named_once_per_streak():
 
 
 def test_out_of_memory_is_one_line_naming_the_fix(tmp_path):
+    import torch
     from omegaconf import OmegaConf
 
-    import torch
     from parallel3d.config.schema import compose
     from parallel3d.observe.profiling import StepProfiler, is_communication
 

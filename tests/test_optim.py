@@ -276,9 +276,8 @@ def test_total_norm_sums_in_float64():
 
 def _bpe_corpus(root) -> list[str]:
     """A byte-level BPE tokenizer (vocabulary within the tiny model's 512) and a corpus it encodes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from data_files import documents, write_jsonl
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     texts = documents("bpe", 600)
     tok = Tokenizer(models.BPE())

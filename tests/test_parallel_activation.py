@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import layouts, prefetch_selected
 import torch
+from conftest import layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 

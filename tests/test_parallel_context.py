@@ -11,10 +11,10 @@ import os
 import socket
 
 import pytest
-from conftest import layouts, prefetch_selected
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import layouts, prefetch_selected
 
 from parallel3d.parallel.context import (
     ContextParallelAttention,

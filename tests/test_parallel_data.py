@@ -7,17 +7,17 @@ Global batch 16 in every run; micro batches below the per-rank batch turn on acc
 from __future__ import annotations
 
 import pytest
-from conftest import final_weights, layouts, prefetch_selected
 import torch
 import torch.distributed as dist
+from conftest import final_weights, layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from parallel3d.config.schema import compose
-from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.models import Transformer
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
+from parallel3d.parallel.mesh import ParallelDims, build_mesh
 
 # name: (ranks, overrides). Each ZeRO stage appears with and without gradient accumulation.
 LAYOUTS = layouts({

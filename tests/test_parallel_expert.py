@@ -6,8 +6,8 @@ and ep2 x cp2 borrow the tp and cp ranks for ep (parallel/expert.py)."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import FAST, assert_matches, final_weights, launch, layouts, prefetch_selected, relative_error
+
 from parallel3d.config.schema import compose
 from parallel3d.validate import ConfigError, check
 
@@ -150,8 +150,8 @@ def test_dry_run_sends_the_planned_all_to_all_bytes():
     """The dry run (fake tensors: routing taken balanced, as the planner takes it) through ep2 x pp2:
     the all-to-all bytes rank 0 sends are the planner's, the routing counts' exchange included (8
     experts x int64 per MoE block and micro batch, forward only, half of it to the other rank)."""
-    from parallel3d.planner.dryrun import dry_run
     from parallel3d.planner import predict
+    from parallel3d.planner.dryrun import dry_run
 
     overrides = [*FAST, *MOE, "parallel.ep=2", "parallel.pp=2", "run_dir=/nonexistent"]
     [report] = dry_run(overrides, 4, [0])
@@ -166,8 +166,8 @@ def test_dry_run_sends_the_planned_all_to_all_bytes():
 def test_recomputed_blocks_exchange_their_tokens_again_as_planned(mode):
     """A recomputed MoE block (op: the combine's output is no matmul's, so the replay reaches both
     all-to-alls; selective: the checkpointed blocks only) sends its tokens again in backward."""
-    from parallel3d.planner.dryrun import dry_run
     from parallel3d.planner import predict
+    from parallel3d.planner.dryrun import dry_run
 
     overrides = [*FAST, *MOE, "parallel.ep=2", f"model.activation_checkpoint={mode}", "run_dir=/nonexistent"]
     [report] = dry_run(overrides, 2, [0])
@@ -202,8 +202,8 @@ def test_dry_run_shards_the_experts_and_sums_the_aux_counts_as_planned():
     """ep2 x cp2 x dp2, ZeRO-3 (ep takes the cp ranks, expert_dp the dp ones): the experts' own FSDP
     units gather and reduce-scatter over expert_dp, and each MoE block forward all-reduces its
     sequences' expert counts (b x 8 float32) over cp, exactly the bytes the planner counts."""
-    from parallel3d.planner.dryrun import dry_run
     from parallel3d.planner import predict
+    from parallel3d.planner.dryrun import dry_run
 
     overrides = [*FAST, *MOE, "parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=3",
                  "train.micro_batch_size=2", "run_dir=/nonexistent"]

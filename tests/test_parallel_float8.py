@@ -13,16 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from omegaconf import OmegaConf
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from parallel3d.config.schema import compose
-from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.models import Transformer
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.float8 import Float8Plan, apply_float8, float8_block_plan, is_float8
+from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.tensor import apply_tensor_parallel, block_plan
 from parallel3d.validate import ConfigError, check
 

@@ -6,8 +6,8 @@ ranks trains them all (tests/layout_batch.py)."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import assert_matches, layouts, prefetch_selected
+
 from parallel3d.config.schema import compose
 from parallel3d.validate import ConfigError, check
 

@@ -105,8 +105,9 @@ def test_stages_keep_full_model_parameter_names():
     cfg = OmegaConf.to_object(compose([]).model)
     first, last = stage_model(cfg, 0, 2, range(0, 2)), stage_model(cfg, 1, 2, range(2, 4))
     names = [n for n, _ in first.named_parameters()] + [n for n, _ in last.named_parameters()]
-    from parallel3d.models import Transformer
     import torch
+
+    from parallel3d.models import Transformer
 
     with torch.device("meta"):
         full = [n for n, _ in Transformer(cfg).named_parameters()]
@@ -122,7 +123,8 @@ def test_microbatch_rules_refuse_whatever_torchs_schedules_refuse():
     from torch.distributed.pipelining import PipelineStage
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from parallel3d.parallel.pipeline import SCHEDULES as CLASSES, fits_rounds, min_microbatches, stages_per_rank
+    from parallel3d.parallel.pipeline import SCHEDULES as CLASSES
+    from parallel3d.parallel.pipeline import fits_rounds, min_microbatches, stages_per_rank
 
     for pp in (2, 4):
         dist.init_process_group("fake", rank=0, world_size=pp, store=FakeStore())

@@ -23,11 +23,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from parallel3d.config.schema import compose
-from parallel3d.parallel.mesh import ParallelDims, build_mesh
-from parallel3d.observe.metrics import model_state_bytes
 from parallel3d.models import Transformer
+from parallel3d.observe.metrics import model_state_bytes
 from parallel3d.optim.adamw import build_optimizer
 from parallel3d.parallel import ParallelPlan, parallelize
+from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts
 from parallel3d.planner import Hardware, SearchSpace, predict, rank_layouts
 from parallel3d.planner.comm import ring

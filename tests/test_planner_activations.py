@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_planner import _build, _config, in_fork
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -25,13 +26,11 @@ from torch.utils._pytree import tree_leaves
 
 from parallel3d.config.schema import compose
 from parallel3d.data.documents import document_inputs
-from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.activation import apply_activation_checkpointing
 from parallel3d.parallel.expert import AllToAllDispatch, apply_expert_parallel
+from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.tensor import apply_tensor_parallel
 from parallel3d.planner import predict
-from test_planner import _build, _config, in_fork
-
 
 
 class LiveStorages(TorchDispatchMode):

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_matches, layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 
-from conftest import assert_matches, layouts, prefetch_selected
 from parallel3d.config.schema import compose
 from parallel3d.step import build_setup
 from parallel3d.validate import check

@@ -14,6 +14,7 @@ import termios
 import time
 
 from conftest import env
+
 from parallel3d.progress import Progress
 
 ETA = re.compile(r"\d+/6 \[\d\d:\d\d<\d\d:\d\d, ")  # tqdm's "n/total [elapsed<remaining, rate"

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Run, env, launch, relative_error
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from conftest import Run, env, launch, relative_error
 from parallel3d.checkpoint.checkpointer import COMPLETE, META, complete_steps
 from parallel3d.launch.run import pin_run_dir, restart_env
 

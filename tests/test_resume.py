@@ -8,11 +8,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from parallel3d.config.schema import OptimConfig
 from parallel3d.base import ConfigError, RunError
+from parallel3d.checkpoint.resume import (
+    check_hf_weights,
+    check_not_past_end,
+    checkpoint_problem,
+    config_changes,
+    pick_checkpoint,
+)
+from parallel3d.config.schema import OptimConfig
 from parallel3d.optim.adamw import build_lr_scheduler, lr_factor, set_schedule_step
-from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, checkpoint_problem, config_changes,
-                               pick_checkpoint)
 
 
 def fake_checkpoint(root, step: int, model_only: bool = False):
@@ -95,9 +100,9 @@ def _bpe_tokenizer(path, text: str):
 def test_a_resume_with_another_tokenizer_is_refused_unless_allowed(tmp_path):
     from conftest import launch
 
+    from parallel3d.checkpoint.resume import check_tokenizer
     from parallel3d.config.schema import DataConfig
     from parallel3d.data.tokenizer import tokenizer_hash
-    from parallel3d.checkpoint.resume import check_tokenizer
 
     common = ["train.seq_len=32", "train.global_batch_size=4", "optim.warmup_steps=1", "data.max_bytes=100000",
               f"data.cache_dir={tmp_path / 'cache'}"]

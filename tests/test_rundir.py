@@ -11,10 +11,19 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST, env
-from parallel3d.runtime.rundir import (RunDirError, RunLock, given_run_dir, move_earlier_run_aside, own_run_dir,
-                               release_run_dir, run_dir_override, shared_run_dir, unwritable_run_dir)
+
+from parallel3d.runtime.rundir import (
+    RunDirError,
+    RunLock,
+    given_run_dir,
+    move_earlier_run_aside,
+    own_run_dir,
+    release_run_dir,
+    run_dir_override,
+    shared_run_dir,
+    unwritable_run_dir,
+)
 
 
 def test_run_dir_parse_is_shared_by_the_launchers(tmp_path):

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import FAST, Run, env, launch, relative_error
+
 from parallel3d.optim.adamw import lr_factor
 
 CONTRACT = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "max_memory_bytes"}

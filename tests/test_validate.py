@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import env, refused_by_the_launcher
+
 from parallel3d.config.schema import compose
 from parallel3d.validate import ConfigError, check
 

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import env
+
 from parallel3d.runtime.watchdog import Hang, describe
 
 TIMEOUT_S = 10

@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_common import heading
+
 from parallel3d.checkpoint import checkpointer as checkpoint_module
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+from parallel3d.checkpoint.resume import pick_checkpoint
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
 from parallel3d.optim.adamw import build_optimizer, init_optimizer_state
-from parallel3d.checkpoint.resume import pick_checkpoint
 
 
 def build_state(dim: int, layers: int) -> TrainState:

@@ -20,9 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from bench_common import print_dry_run_table  # noqa: E402
+
 from parallel3d.config.schema import compose  # noqa: E402
-from parallel3d.planner.dryrun import dry_run  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
+from parallel3d.planner.dryrun import dry_run  # noqa: E402
 
 GiB = 2**30
 BF16 = ["train.param_dtype=bfloat16", "train.reduce_dtype=float32", "train.seq_len=8192", "train.micro_batch_size=1"]

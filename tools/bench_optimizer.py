@@ -82,6 +82,7 @@ def step_seconds(overrides: list[str], steps: int) -> tuple[float, float]:
     """Median wall times (the slowest rank's) of ``optimizer.step()`` after one training step, and of
     Muon's gathers alone (0 under AdamW)."""
     import torch.distributed as dist
+
     from parallel3d.step import build_setup, train_step
     from parallel3d.validate import check
 
@@ -128,8 +129,8 @@ def _median_seconds(fn, steps: int) -> float:
 def muon_against_adamw(args) -> int:
     import os
 
-    from parallel3d.runtime.process_group import init_distributed
     from parallel3d.planner import predict
+    from parallel3d.runtime.process_group import init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     init_distributed(compose([*args.overrides, "run_dir=."]).train, world)

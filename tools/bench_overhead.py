@@ -33,8 +33,8 @@ import copy
 import json
 import os
 import shutil
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_common import heading, torch_threads
 from omegaconf import OmegaConf
 
-from bench_common import heading, torch_threads
 from parallel3d.config.schema import compose
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.models import Transformer

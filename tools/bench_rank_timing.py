@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_common import heading  # noqa: E402
+
 from parallel3d.observe.meter import gather_per_rank, spread  # noqa: E402
 from parallel3d.runtime.straggler import StragglerWatch  # noqa: E402
 

@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_common import heading, torch_threads
+
 from parallel3d.config.schema import compose
 from parallel3d.data.corpus import open_sources
 from parallel3d.train import train

@@ -42,12 +42,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-from parallel3d.hf import families
-from parallel3d.config import hf_folder
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
-from parallel3d.config.schema import CheckpointConfig
-from parallel3d.models.lora import is_adapter
 from parallel3d.checkpoint.manifest import file_entries, verify_manifest, write_manifest
+from parallel3d.config import hf_folder
+from parallel3d.config.schema import CheckpointConfig
+from parallel3d.hf import families
+from parallel3d.models.lora import is_adapter
 from parallel3d.optim.adamw import init_optimizer_state, set_schedule_step
 from parallel3d.progress import Progress
 

@@ -23,8 +23,8 @@ import yaml
 from parallel3d.base import ConfigError, RunError
 from parallel3d.checkpoint.checkpointer import COMPLETE, META, complete_steps, find_checkpoint
 from parallel3d.checkpoint.errors import CheckpointError, describe
-from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.checkpoint.manifest import MANIFEST, ManifestMissing, first_problem, gathered, share_problem
+from parallel3d.data.tokenizer import tokenizer_hash
 
 # Keys that differ between any two starts and say nothing about training.
 UNCOMPARED = ("run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.create_seed")

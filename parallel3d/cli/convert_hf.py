@@ -36,15 +36,15 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from parallel3d.hf import families
-from parallel3d.data.tokenizer import tokenizer_file
-from parallel3d.hf.export import INDEX, plan_files, refuse_used, write_hf_folder  # noqa: F401  (INDEX, plan_files: the tool's API)
 from parallel3d.checkpoint.checkpointer import find_checkpoint
 from parallel3d.checkpoint.resume import checkpoint_problem
 from parallel3d.config.schema import ModelConfig
-from parallel3d.models.lora import is_adapter
+from parallel3d.data.tokenizer import tokenizer_file
+from parallel3d.hf import families
+from parallel3d.hf.export import INDEX, plan_files, refuse_used, write_hf_folder  # noqa: F401  (INDEX, plan_files: the tool's API)
 from parallel3d.hf.lora import adapted, merge_adapters, write_adapter
 from parallel3d.models import Transformer
+from parallel3d.models.lora import is_adapter
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

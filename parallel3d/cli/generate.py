@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from parallel3d.base import RunError
+from parallel3d.config.hf_folder import is_hf_dir
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
 from parallel3d.inference.generate import generate, load_hf_model, load_model, resolve_checkpoint, saved_config
-from parallel3d.config.hf_folder import is_hf_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,7 +85,7 @@ def prompt_and_stops(args: argparse.Namespace, tokenizer, saved) -> tuple[list[i
 def chat_prompt(text: str, tokenizer, saved) -> tuple[list[int], tuple[int, ...]]:
     """``text`` as a user turn in the run's chat template, the assistant's turn opened; generation
     also stops at the template's end-of-turn token (``<|eot_id|>``, ``<|im_end|>``)."""
-    from parallel3d.data.chat import end_of_turn_text, chat_token_ids, load_chat_template
+    from parallel3d.data.chat import chat_token_ids, end_of_turn_text, load_chat_template
 
     spec = str(saved.data.tokenizer)
     template = load_chat_template(tokenizer_spec=spec, template_file=saved.data.get("chat_template"))

@@ -37,14 +37,14 @@ import threading
 import time
 from pathlib import Path
 
-from parallel3d.data import TokenFile, load_tokenizer, text_files, write_token_file
+from parallel3d.base import ConfigError
 from parallel3d.config.schema import DataConfig
+from parallel3d.data import TokenFile, load_tokenizer, text_files, write_token_file
 from parallel3d.data.checks import check_instruction_data
 from parallel3d.data.sft import SFTSpec
 from parallel3d.data.shards import cache_problem, shard_files, tokenize_shard
 from parallel3d.data.sources import resolve
 from parallel3d.progress import Progress
-from parallel3d.base import ConfigError
 
 TMP_FILE = re.compile(r"^\..+\.(\d+)(\.json)?\.tmp$")  # write_token_file's temporary names carry the pid
 

@@ -13,9 +13,9 @@ import gzip
 import json
 from pathlib import Path
 
+from parallel3d.base import ConfigError, RunError
 from parallel3d.data.chat import assistant_spans, load_chat_template
 from parallel3d.data.sources import DataError, Shard, is_token_file, resolve
-from parallel3d.base import ConfigError, RunError
 
 
 def check_data(cfg) -> None:

@@ -21,8 +21,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from parallel3d.hf import deepseek
 from parallel3d.config.schema import ModelConfig, head_dim
+from parallel3d.hf import deepseek
 
 _BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",

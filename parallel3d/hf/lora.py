@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from parallel3d.hf import families
 from parallel3d.config.schema import LoRAConfig, ModelConfig
-from parallel3d.models.lora import A, B, HF_TARGETS, canonical_targets, is_adapter
+from parallel3d.hf import families
+from parallel3d.models.lora import HF_TARGETS, A, B, canonical_targets, is_adapter
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 

@@ -18,11 +18,11 @@ from omegaconf import OmegaConf
 
 from parallel3d.base import RunError
 from parallel3d.checkpoint.checkpointer import COMPLETE, Checkpointer, TrainState
+from parallel3d.checkpoint.resume import pick_checkpoint
 from parallel3d.config.schema import CheckpointConfig, ModelConfig
-from parallel3d.models.lora import apply_lora
 from parallel3d.models import Transformer
 from parallel3d.models.kv_cache import KVCache
-from parallel3d.checkpoint.resume import pick_checkpoint
+from parallel3d.models.lora import apply_lora
 
 # dcp.load without a process group says so on every call; here that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

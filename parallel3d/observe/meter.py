@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from parallel3d.observe.metrics import max_memory_bytes, model_state_bytes, peak_flops
 from parallel3d.models import flops_per_token
-from parallel3d.step import Setup
+from parallel3d.observe.metrics import max_memory_bytes, model_state_bytes, peak_flops
 from parallel3d.runtime.straggler import StragglerWatch, burn, gather_hostnames
+from parallel3d.step import Setup
 
 # The per-rank figures of one logging step, in the order they are gathered.
 MEMORY = ("max_memory_bytes", "param_bytes", "grad_bytes", "optim_state_bytes")

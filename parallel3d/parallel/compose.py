@@ -23,12 +23,12 @@ from torch import nn
 from parallel3d.base import DTYPES
 from parallel3d.config.schema import LoRAConfig
 from parallel3d.models.lora import apply_lora
-from parallel3d.parallel.mesh import Meshes
 from parallel3d.parallel.activation import apply_activation_checkpointing, compile_blocks
 from parallel3d.parallel.context import apply_context_parallel
 from parallel3d.parallel.data import DataParallelPlan, ExpertSharding, apply_data_parallel
 from parallel3d.parallel.expert import apply_expert_parallel
 from parallel3d.parallel.float8 import Float8Plan, apply_float8
+from parallel3d.parallel.mesh import Meshes
 from parallel3d.parallel.tensor import apply_tensor_parallel
 
 

@@ -15,8 +15,8 @@ from typing import Optional
 from parallel3d.base import resolve_device
 from parallel3d.config.schema import MoEConfig
 from parallel3d.models.lora import canonical_targets
-from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.optim.muon import is_muon_parameter
+from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stages_per_rank
 from parallel3d.parallel.tensor import block_splits, outer_splits
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel3d.runtime import watchdog
 from parallel3d.base import resolve_device
+from parallel3d.runtime import watchdog
 from parallel3d.runtime.failures import log_path
 from parallel3d.runtime.rundir import rank
 
