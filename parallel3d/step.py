@@ -24,8 +24,10 @@ from parallel3d.config.schema import Config
 from parallel3d.data import BatchSpec
 from parallel3d.data.documents import document_inputs, document_positions
 from parallel3d.models import Transformer
-from parallel3d.optim.adamw import build_lr_scheduler, build_optimizer, clip_grad_norm_, settle_gradients
+from parallel3d.optim.adamw import build_optimizer
+from parallel3d.optim.clip import clip_grad_norm_, settle_gradients
 from parallel3d.optim.muon import build_muon_adamw
+from parallel3d.optim.schedule import build_lr_scheduler
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync

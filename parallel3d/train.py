@@ -40,7 +40,6 @@ from parallel3d.config.strict import RecipeError
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
 from parallel3d.data.checks import check_corpus, check_heldout
 from parallel3d.data.tokenizer import tokenizer_hash
-from parallel3d.hf import families
 from parallel3d.hf.export import save_run_model
 from parallel3d.hf.lora import merged_state, split_adapters, write_adapter
 from parallel3d.inference.evaluate import Evaluator

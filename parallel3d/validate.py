@@ -23,8 +23,8 @@ from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
 from parallel3d.models.lora import check_lora
 from parallel3d.models.mla import check_attention
 from parallel3d.optim.adamw import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
-from parallel3d.optim.adamw import LR_SCHEDULES
 from parallel3d.optim.muon import OPTIMIZERS, check_muon_config
+from parallel3d.optim.schedule import LR_SCHEDULES
 from parallel3d.parallel.activation import AC_MODES
 from parallel3d.parallel.expert import check_experts
 from parallel3d.parallel.float8 import check_float8

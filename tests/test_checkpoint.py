@@ -28,7 +28,7 @@ from parallel3d.checkpoint.manifest import read_manifest
 from parallel3d.checkpoint.resume import pick_checkpoint
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
-from parallel3d.optim.adamw import build_lr_scheduler
+from parallel3d.optim.schedule import build_lr_scheduler
 
 SAVE = [*FAST, "checkpoint.every=5", "train.save_model=true"]
 DP2_TP2 = ["parallel.dp_shard=2", "parallel.tp=2"]

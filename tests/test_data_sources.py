@@ -5,14 +5,13 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 from data_files import documents, write_jsonl, write_mixture, write_parquet, write_saved_dataset
 
 from parallel3d.config.schema import compose
-from parallel3d.data import TokenFile, Workers, load_tokenizer, open_eval_corpus, open_sources, write_token_file
+from parallel3d.data import TokenFile, load_tokenizer, open_eval_corpus, open_sources, write_token_file
 from parallel3d.data import sources as src
 from parallel3d.data.shards import is_heldout, prepare_shards, shard_files
 from parallel3d.validate import ConfigError, check

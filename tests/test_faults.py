@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST, Run, env, launch
 
-from parallel3d.optim.adamw import lr_factor
+from parallel3d.optim.schedule import lr_factor
 
 BASE = [*FAST, "train.steps=4", "checkpoint.every=2"]
 

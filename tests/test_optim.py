@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from parallel3d.config.schema import OptimConfig
-from parallel3d.optim.adamw import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, total_norm
+from parallel3d.optim.adamw import build_optimizer
+from parallel3d.optim.clip import clip_grad_norm_, total_norm
+from parallel3d.optim.schedule import build_lr_scheduler, lr_factor
 
 STEPS, WARMUP, MIN_RATIO = 40, 5, 0.1
 

@@ -17,7 +17,7 @@ from parallel3d.checkpoint.resume import (
     pick_checkpoint,
 )
 from parallel3d.config.schema import OptimConfig
-from parallel3d.optim.adamw import build_lr_scheduler, lr_factor, set_schedule_step
+from parallel3d.optim.schedule import build_lr_scheduler, lr_factor, set_schedule_step
 
 
 def fake_checkpoint(root, step: int, model_only: bool = False):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest import FAST, Run, env, launch, relative_error
 
-from parallel3d.optim.adamw import lr_factor
+from parallel3d.optim.schedule import lr_factor
 
 CONTRACT = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "max_memory_bytes"}
 

@@ -25,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from bench_common import heading
 
 from parallel3d.checkpoint import checkpointer as checkpoint_module

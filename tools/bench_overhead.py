@@ -48,7 +48,8 @@ from omegaconf import OmegaConf
 from parallel3d.config.schema import compose
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.models import Transformer
-from parallel3d.optim.adamw import build_lr_scheduler, decay_groups
+from parallel3d.optim.adamw import decay_groups
+from parallel3d.optim.schedule import build_lr_scheduler
 from parallel3d.train import train
 from parallel3d.validate import DTYPES
 

@@ -48,7 +48,8 @@ from parallel3d.config import hf_folder
 from parallel3d.config.schema import CheckpointConfig
 from parallel3d.hf import families
 from parallel3d.models.lora import is_adapter
-from parallel3d.optim.adamw import init_optimizer_state, set_schedule_step
+from parallel3d.optim.adamw import init_optimizer_state
+from parallel3d.optim.schedule import set_schedule_step
 from parallel3d.progress import Progress
 
 COMPLETE, META = "COMPLETE", "meta.json"

@@ -12,7 +12,6 @@ from parallel3d.base import ConfigError
 from parallel3d.checkpoint.checkpointer import find_checkpoint
 from parallel3d.checkpoint.manifest import VERIFY_MODES
 from parallel3d.config import hf_folder
-from parallel3d.hf import families
 
 # The model shape a checkpoint must share with the run that loads it (the layout may differ).
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")

@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from parallel3d.config import hf_folder
 from parallel3d.config.schema import ModelConfig
 from parallel3d.data.chat import load_chat_template
 from parallel3d.data.tokenizer import ID_FILES, TOKENIZER_FILE, ByteTokenizer, load_tokenizer

@@ -1,1 +1,2 @@
-"""Optimizers: AdamW with its weight-decay groups, learning-rate schedules, gradient clipping, and Muon for the blocks' matrices."""
+"""Optimizers: AdamW with its weight-decay groups, learning-rate schedules, gradient clipping,
+and Muon for the blocks' matrices."""

@@ -1,0 +1,71 @@
+"""Gradients after backward: placements settled once, and the global norm over every shard, clipped."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def settle_gradients(params) -> None:
+    """Give each DTensor gradient its parameter's placements, once, after backward.
+
+    Under tensor parallelism without a data-parallel wrapper (which does this as it reduces),
+    autograd leaves the gradients of replicated weights (the norms, under sequence parallelism)
+    ``Partial``: every later read (the norm, then each of AdamW's three uses) would all-reduce
+    them again. A gradient that comes back whole where its parameter is sharded is cut to this
+    rank's shard, a local slice.
+    """
+    for p in params:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(placements=p.placements)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, pp_group=None, uncounted=()) -> torch.Tensor:
+    """Clip to a global norm over every shard of every gradient; returns the norm before clipping
+    (float64: see :func:`total_norm`).
+
+    Sharded (DTensor) gradients give a partial norm per rank; ``full_tensor()`` reduces it over
+    the mesh, so each rank clips by the same, global, value. (A rank's gradients are all DTensors
+    or all plain tensors: parallel/tensor.py makes every tensor-parallel parameter a DTensor.)
+    Under pipeline parallelism the squares of every stage's norm are summed over ``pp_group``.
+    ``max_norm=0`` only measures. ``uncounted`` parameters (a second copy of a tied matrix) are
+    clipped but not counted again.
+    """
+    with_grad = [p for p in params if p.grad is not None]  # torch's clip_grad_norm_ takes a generator too
+    skip = {id(p) for p in uncounted}
+    # DTensor ops take one mesh: expert-parallel experts live on the ep mesh, the rest on the dp one.
+    by_mesh = _by_mesh([p for p in with_grad if id(p) not in skip])
+    norms = [total_norm([p.grad for p in group]) for group in by_mesh]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+    if pp_group is not None:  # each pipeline rank holds other layers: add their squares
+        norm = norm**2
+        dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
+        norm = norm.sqrt()
+    if max_norm > 0:
+        for group in _by_mesh(with_grad):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    return norm
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` as one vector, accumulated in float64 (a DTensor's: partial per rank).
+
+    torch's ``get_total_norm`` sums the per-tensor norms in the gradients' dtype: in float32 its
+    rounding depends on how many terms each rank sums, so layouts would clip by norms a few ulps
+    apart, which AdamW at a small eps amplifies after a loss spike. In float64 every layout's norm
+    agrees to float32 rounding."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)))
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by their gradient's DeviceMesh (plain tensors: one group), in first-seen order."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return list(groups.values()) or [[]]
