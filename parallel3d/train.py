@@ -34,8 +34,9 @@ from parallel3d.checkpoint.resume import (
     verify_init_from,
 )
 from parallel3d.config import hf_folder
+from parallel3d.config.compose import CONF_DIR, register_configs, user_set_keys
 from parallel3d.config.hf_folder import apply_hf_folder, describe
-from parallel3d.config.schema import CONF_DIR, Config, register_configs, user_set_keys
+from parallel3d.config.schema import Config
 from parallel3d.config.strict import RecipeError
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
 from parallel3d.data.checks import check_corpus, check_heldout

@@ -303,7 +303,7 @@ class Parity:
     @staticmethod
     def assert_planned_model_state(run: Run, overrides: list[str], nproc: int) -> None:
         """The planner's model-state bytes are exactly what the run measured on its largest rank."""
-        from parallel3d.config.schema import compose
+        from parallel3d.config.compose import compose
         from parallel3d.planner import predict
 
         planned = predict(compose(overrides), nproc).model_state_bytes

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.base import ConfigError, world_size_from_env
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.runtime.rundir import release_run_dir
 from parallel3d.train import TrainingDiverged, train
 

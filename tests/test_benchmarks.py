@@ -15,7 +15,7 @@ import bench_gpu  # noqa: E402
 import bench_optimizer  # noqa: E402
 import bench_overhead  # noqa: E402
 
-from parallel3d.config.schema import compose  # noqa: E402
+from parallel3d.config.compose import compose
 
 SMALL = ["train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "logging.log_every=2"]
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from parallel3d.config.schema import PROJECT_ROOT
+from parallel3d.config.compose import PROJECT_ROOT
 from parallel3d.data import (
     BatchSpec,
     ByteTokenizer,

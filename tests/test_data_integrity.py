@@ -113,7 +113,7 @@ def test_an_empty_token_file_opens(tmp_path):
 def test_eval_fraction_on_a_corpus_too_small_to_hold_out_a_batch_is_one_config_line(tmp_path):
     from conftest import launch
 
-    from parallel3d.config.schema import compose
+    from parallel3d.config.compose import compose
     from parallel3d.data import open_eval_corpus
     from parallel3d.data.checks import check_heldout
     from parallel3d.validate import ConfigError

@@ -9,7 +9,7 @@ import pytest
 from chat_files import chat_tokenizer_folder, write_jsonl
 
 from parallel3d.base import ConfigError
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.data.sft import IGNORE, STARTS, TRAINED, RowStats, SFTSpec, build_rows, render_sample, row_micro_batches
 from parallel3d.data.tokenizer import ByteTokenizer
 from parallel3d.validate import check

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from conftest import FAST, launch
 from omegaconf import OmegaConf
 
-from parallel3d.config.schema import ModelConfig, compose
+from parallel3d.config.compose import compose
+from parallel3d.config.schema import ModelConfig
 from parallel3d.models import Transformer, num_params
 from parallel3d.planner import predict
 from parallel3d.planner.comm import ring, stage_traffic

@@ -64,7 +64,7 @@ def reference_losses(root, overrides) -> tuple[list[float], float, int]:
     the last step, and how many rows trained nothing."""
     from transformers import LlamaForCausalLM
 
-    from parallel3d.config.schema import compose
+    from parallel3d.config.compose import compose
     from parallel3d.data import BatchSpec, StepSampler, build_train_data, open_eval_corpus
 
     c = compose(overrides)

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 
 from parallel3d.cli import convert_hf
 from parallel3d.cli import generate as generate_cli
-from parallel3d.config.schema import ModelConfig, compose
+from parallel3d.config.compose import compose
+from parallel3d.config.schema import ModelConfig
 from parallel3d.data.tokenizer import load_tokenizer
 from parallel3d.hf import families
 from parallel3d.inference.generate import generate, load_model

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.cli import convert_hf
-from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose
+from parallel3d.config.compose import compose
+from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.hf import families
 from parallel3d.models import Transformer
 

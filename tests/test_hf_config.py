@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 from parallel3d.base import ConfigError
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
-from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose, user_set_keys
+from parallel3d.config.compose import compose, user_set_keys
+from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_hash
 from parallel3d.models import Transformer
 from parallel3d.planner import predict

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
-from parallel3d.config.schema import CheckpointConfig, ModelConfig, compose
+from parallel3d.config.compose import compose
+from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.hf import families
 from parallel3d.models import Transformer
 
@@ -99,7 +100,7 @@ def test_greedy_generation_equals_transformers(tmp_path, capsys, name):
 
 
 def test_the_folder_out_is_the_folder_in(tmp_path):
-    """train.save_model's writer (hf_export.save_state_dict) writes our DeepSeek-V3 model, the router's
+    """train.save_model's writer (hf.export.save_state_dict) writes our DeepSeek-V3 model, the router's
     balancing bias included, as a folder transformers loads with the same logits."""
     from parallel3d.hf.export import save_state_dict
 

@@ -1,4 +1,4 @@
-"""LoRA (parallel3d/models/lora.py, lora_hf.py): only the adapters train, every layout equals one process,
+"""LoRA (parallel3d/models/lora.py, parallel3d/hf/lora.py): only the adapters train, every layout equals one process,
 the planner counts the frozen base, and the exports (merged weights, PEFT adapter) are exact."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from safetensors.torch import load_file, save_file
 
 from parallel3d.base import ConfigError
-from parallel3d.config.schema import LoRAConfig, ModelConfig, OptimConfig, compose
+from parallel3d.config.compose import compose
+from parallel3d.config.schema import LoRAConfig, ModelConfig, OptimConfig
 from parallel3d.hf import families
 from parallel3d.models.lora import apply_lora, is_adapter
 from parallel3d.validate import check

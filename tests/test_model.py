@@ -13,7 +13,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from parallel3d.config.schema import ModelConfig, RopeScaling, compose
+from parallel3d.config.compose import compose
+from parallel3d.config.schema import ModelConfig, RopeScaling
 from parallel3d.models.llama import Transformer, flops_per_token, num_params, rope_frequencies
 
 

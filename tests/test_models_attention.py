@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from parallel3d.config.schema import DataConfig, ModelConfig, compose
+from parallel3d.config.compose import compose
+from parallel3d.config.schema import DataConfig, ModelConfig
 from parallel3d.data.documents import document_ids, document_inputs, document_positions
 from parallel3d.models.attention import sdpa
 from parallel3d.models.llama import Transformer

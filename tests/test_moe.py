@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from parallel3d.config.schema import ModelConfig, MoEConfig, compose
+from parallel3d.config.compose import compose
+from parallel3d.config.schema import ModelConfig, MoEConfig
 from parallel3d.models.llama import Transformer, flops_per_token, num_params
 from parallel3d.models.moe import MoE, moe_layers
 from parallel3d.parallel.activation import apply_activation_checkpointing

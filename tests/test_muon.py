@@ -12,7 +12,7 @@ from conftest import assert_matches, relative_error
 from omegaconf import OmegaConf
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.optim.muon import Muon, MuonWithAdamW, is_muon_parameter
 from parallel3d.optim.schedule import lr_factor
 from parallel3d.step import build_setup, train_step

@@ -94,7 +94,7 @@ def test_out_of_memory_is_one_line_naming_the_fix(tmp_path):
     import torch
     from omegaconf import OmegaConf
 
-    from parallel3d.config.schema import compose
+    from parallel3d.config.compose import compose
     from parallel3d.observe.profiling import StepProfiler, is_communication
 
     c = OmegaConf.to_object(compose([f"run_dir={tmp_path}"]))

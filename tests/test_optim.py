@@ -74,7 +74,7 @@ def test_wsd_flat_then_linear_decay_to_min_ratio():
 
 def test_wsd_default_config_never_steps_at_lr_zero():
     """conf/optim/adamw_wsd.yaml decays to min_lr_ratio=0: no optimizer step may run at lr 0."""
-    from parallel3d.config.schema import compose
+    from parallel3d.config.compose import compose
 
     o = compose(["optim=adamw_wsd"]).optim
     for steps in (1, 2, 10, 40, 1000):

@@ -61,7 +61,7 @@ def installed(tmp_path_factory) -> Installed:
 
 
 def test_a_wheel_trains_from_another_directory_and_exports_the_checkpoint(installed):
-    where = installed.run("python", "-c", "import parallel3d.config.schema as c; print(c.CONF_DIR); print(c.RECIPES_DIR)")
+    where = installed.run("python", "-c", "import parallel3d.config.compose as c; print(c.CONF_DIR); print(c.RECIPES_DIR)")
     assert all(Path(p).is_relative_to(installed.venv) for p in where.stdout.split()), where.stdout
     run_dir = installed.elsewhere / "run"
     installed.run("python", "-m", "parallel3d.train", "recipe=tiny_cpu", f"run_dir={run_dir}", "train.steps=2",

@@ -8,7 +8,7 @@ from conftest import layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.models import Transformer
 from parallel3d.parallel.activation import apply_activation_checkpointing
 from parallel3d.validate import ConfigError, check

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.models import Transformer
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.mesh import ParallelDims, build_mesh

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from conftest import FAST, assert_matches, final_weights, launch, layouts, prefetch_selected, relative_error
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.validate import ConfigError, check
 
 MOE = ["model=tiny_moe"]

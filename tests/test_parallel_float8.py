@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.models import Transformer
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.float8 import Float8Plan, apply_float8, float8_block_plan, is_float8

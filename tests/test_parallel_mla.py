@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from conftest import assert_matches, layouts, prefetch_selected
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.validate import ConfigError, check
 
 # At the default lr (3e-3) the tiny MoE's tenth step amplifies float rounding (1e-8) past 1e-5 in

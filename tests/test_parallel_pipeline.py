@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import layouts, prefetch_selected
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stage_model
 from parallel3d.validate import ConfigError, check
 

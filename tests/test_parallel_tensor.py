@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.models import Transformer
 from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.tensor import apply_tensor_parallel

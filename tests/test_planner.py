@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.models import Transformer
 from parallel3d.observe.metrics import model_state_bytes
 from parallel3d.optim.adamw import build_optimizer

@@ -24,7 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.data.documents import document_inputs
 from parallel3d.parallel.activation import apply_activation_checkpointing
 from parallel3d.parallel.expert import AllToAllDispatch, apply_expert_parallel

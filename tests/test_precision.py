@@ -17,7 +17,7 @@ from conftest import assert_matches, layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.step import build_setup
 from parallel3d.validate import check
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from data_files import documents, write_jsonl, write_mixture
 
-from parallel3d.config.schema import PROJECT_ROOT, compose
+from parallel3d.config.compose import PROJECT_ROOT, compose
 from parallel3d.data import TokenFile, load_tokenizer, open_sources, write_token_file
 from parallel3d.data import sources as src
 from parallel3d.data.shards import is_heldout, shard_files

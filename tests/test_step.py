@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.models.moe import moe_layers
 from parallel3d.step import build_setup, train_step
 from parallel3d.validate import check

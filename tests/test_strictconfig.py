@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.config.strict import RECIPES_ENV, RecipeError
 from parallel3d.launch.run import first_config_error, take_recipes_dir
 from parallel3d.validate import ConfigError, check

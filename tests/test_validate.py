@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import env, refused_by_the_launcher
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.validate import ConfigError, check
 
 # (overrides, world size, key the message must name, words it must contain)

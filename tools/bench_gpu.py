@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from bench_common import heading  # noqa: E402
 from bench_overhead import ours_records, plain_records  # noqa: E402
 
-from parallel3d.config.schema import compose  # noqa: E402
+from parallel3d.config.compose import compose
 from parallel3d.models import flops_per_token  # noqa: E402
 from parallel3d.observe.metrics import peak_flops  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402

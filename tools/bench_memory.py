@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from bench_common import print_dry_run_table  # noqa: E402
 
-from parallel3d.config.schema import compose  # noqa: E402
+from parallel3d.config.compose import compose
 from parallel3d.planner import predict  # noqa: E402
 from parallel3d.planner.dryrun import dry_run  # noqa: E402
 

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import heading  # noqa: E402
 
-from parallel3d.config.schema import compose  # noqa: E402
+from parallel3d.config.compose import compose
 from parallel3d.models import Transformer, flops_per_token, num_params  # noqa: E402
 
 

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from bench_common import heading, torch_threads  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from parallel3d.config.schema import compose  # noqa: E402
+from parallel3d.config.compose import compose
 from parallel3d.models import Transformer  # noqa: E402
 from parallel3d.optim.adamw import implementation_flags  # noqa: E402
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from bench_common import heading, torch_threads
 from omegaconf import OmegaConf
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.models import Transformer
 from parallel3d.optim.adamw import decay_groups

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from bench_common import heading, torch_threads
 
-from parallel3d.config.schema import compose
+from parallel3d.config.compose import compose
 from parallel3d.data.corpus import open_sources
 from parallel3d.train import train
 

@@ -20,7 +20,7 @@ Nothing is unpickled on load: tensors and their sharding come from safetensors, 
 A save refuses a model or optimizer holding NaN or Inf (every rank checks its shards, one
 all-reduce decides), so no non-finite checkpoint exists; ``keep_last`` removes older checkpoints
 only once the new one is committed with its manifest. Failures are one-line CheckpointErrors
-(checkpoint_failures.py), raised on every rank together where the ranks can agree.
+(checkpoint/errors.py), raised on every rank together where the ranks can agree.
 """
 
 from __future__ import annotations

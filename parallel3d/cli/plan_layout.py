@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
-    from parallel3d.config.schema import compose
+    from parallel3d.config.compose import compose
     from parallel3d.planner import Hardware, predict, rank_layouts
     from parallel3d.validate import ConfigError
 

@@ -1,7 +1,7 @@
 """A complete Hugging Face folder out: what ``parallel3d-convert-hf export`` and
 ``train.save_model=true`` (``run_dir/hf/``) both write, by the same code.
 
-    config.json                 the family's config (hf.hf_config) with bos/eos/pad token ids
+    config.json                 the family's config (families.hf_config) with bos/eos/pad token ids
     generation_config.json      bos, eos (a list when the chat template ends a turn with another token), pad
     model.safetensors           or model-0000i-of-0000n.safetensors + model.safetensors.index.json when large
     tokenizer.json ...          the run's tokenizer folder: tokenizer.json, tokenizer_config.json,

@@ -68,7 +68,7 @@ def load_hf_model(folder: Path, *, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> tuple[Transformer, object]:
     """A Hugging Face folder's model in this process, as ``checkpoint.init_from`` reads it (the
     folder's config.json alone defines it), in eval mode; and the composed run config."""
-    from parallel3d.config.schema import compose
+    from parallel3d.config.compose import compose
 
     composed = compose([f"checkpoint.init_from={folder}"])
     cfg: ModelConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), composed.model))

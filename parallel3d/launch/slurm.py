@@ -105,7 +105,7 @@ def render(s, overrides: list[str], run_dir: Path, job_name: str, workdir: Path)
 def script_for(overrides: list[str], run_dir: Path | None = None, *, workdir: Path | None = None) -> tuple[Path, str]:
     """Compose ``overrides`` once more for the settings; (where the script goes, its text).
     ``workdir`` (default: here) is where the job starts; docs/launch.md shows this function's text."""
-    from parallel3d.config.schema import compose
+    from parallel3d.config.compose import compose
 
     cfg = compose(overrides)
     run_dir = run_dir or Path(os.path.abspath(given_run_dir(overrides) or hydra_run_dir(overrides)))
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from parallel3d.config.schema import compose
+    from parallel3d.config.compose import compose
 
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):

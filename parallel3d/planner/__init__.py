@@ -1,7 +1,7 @@
 """The layout planner: per-rank memory, communication, pipeline bubble and step time of a layout,
 before any process group exists; and a ranking of every layout of a model on a cluster.
 
-    from parallel3d.config.schema import compose
+    from parallel3d.config.compose import compose
     from parallel3d.planner import Hardware, predict, rank_layouts
 
     plan = predict(compose(["recipe=llama3_70b"]), 64, Hardware())   # one configured layout

@@ -58,7 +58,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from parallel3d.base import DTYPES
-from parallel3d.config.schema import Config, compose
+from parallel3d.config.compose import compose
+from parallel3d.config.schema import Config
 from parallel3d.observe.metrics import model_state_bytes
 from parallel3d.optim.adamw import init_optimizer_state
 from parallel3d.parallel.mesh import Meshes, ParallelDims

@@ -246,7 +246,7 @@ def hydra_settings(overrides: list[str]):
     """The ``hydra`` node of the config these overrides compose, resolved now (timestamps included)."""
     from hydra import compose, initialize_config_dir
 
-    from parallel3d.config.schema import CONF_DIR, register_configs
+    from parallel3d.config.compose import CONF_DIR, register_configs
 
     register_configs()
     register_rank0_dir()
