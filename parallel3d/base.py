@@ -7,10 +7,15 @@ and the training loop all read these, so none of them has to import another for 
 from __future__ import annotations
 
 import os
+import re
 
 import torch
+import torch.distributed as dist
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GIB = 2**30
+SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 class ConfigError(ValueError):
@@ -38,3 +43,18 @@ def resolve_device(device: str, available: str | None = None) -> str:
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def process_rank() -> int:
+    """This process's rank: the process group's once one is up, else torchrun's ``RANK`` (0 alone)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def parse_size(text: str, *, bare_unit: int = 1) -> int:
+    """``5GB`` (10**9, as transformers and disks count), ``80GiB`` (2**30), ``2e6``; a bare number
+    counts in ``bare_unit`` bytes. Raises ValueError naming the text and the accepted forms."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit is None or (unit and unit not in SIZE_UNITS):
+        raise ValueError(f"not a size: {text!r} (say 5GB, 500MB, 80GiB or a number)")
+    return int(float(match.group(1)) * (SIZE_UNITS[unit] if unit else bare_unit))

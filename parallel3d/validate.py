@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device, world_size_from_env
+from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device
 from parallel3d.checkpoint.checks import check_checkpoint, run_dir_of
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
@@ -39,7 +39,6 @@ from parallel3d.parallel.pipeline import (
 from parallel3d.runtime.guard import check_bad_step_config
 
 # Re-exported: callers written before parallel3d.base import these names from here.
-__all__ = ["ConfigError", "DTYPES", "check", "divisors", "resolve", "resolve_device", "world_size_from_env"]
 
 # Hugging Face Accelerate's FSDP strategy names -> (zero stage, needs dp_replicate > 1).
 ACCELERATE_STRATEGIES = {
@@ -128,7 +127,7 @@ def _strategy_stage(p) -> int | None:
     if not hybrid and p.dp_replicate > 1:
         raise ConfigError("parallel.fsdp_sharding_strategy", name,
                           f"parallel.dp_replicate={p.dp_replicate} asks for hybrid sharding",
-                          f"use HYBRID_SHARD or HYBRID_SHARD_ZERO2, or set parallel.dp_replicate=1")
+                          "use HYBRID_SHARD or HYBRID_SHARD_ZERO2, or set parallel.dp_replicate=1")
     return stage
 
 
@@ -198,8 +197,8 @@ def _check_data_parallel(p, t, device: str | None) -> None:
         raise ConfigError("parallel.zero_stage", p.zero_stage, "ZeRO stages are 0 (DDP), 1, 2 and 3 (FSDP)",
                           "use 0, 1, 2 or 3 (or parallel.fsdp_sharding_strategy=FULL_SHARD etc.)")
     if p.zero_stage >= 2 and p.dp_replicate > 1 and p.dp_shard == 1:
-        raise ConfigError("parallel.zero_stage", p.zero_stage, f"hybrid sharding with parallel.dp_shard=1 "
-                          f"shards nothing", "use parallel.zero_stage=0 or 1, or give dp_shard a degree > 1")
+        raise ConfigError("parallel.zero_stage", p.zero_stage, "hybrid sharding with parallel.dp_shard=1 "
+                          "shards nothing", "use parallel.zero_stage=0 or 1, or give dp_shard a degree > 1")
     if p.fsdp_wrap not in ("block", "size"):
         raise ConfigError("parallel.fsdp_wrap", p.fsdp_wrap, "unknown wrap policy", "use block or size")
     if p.fsdp_prefetch < 0:

@@ -113,10 +113,10 @@ def test_an_empty_token_file_opens(tmp_path):
 def test_eval_fraction_on_a_corpus_too_small_to_hold_out_a_batch_is_one_config_line(tmp_path):
     from conftest import launch
 
+    from parallel3d.base import ConfigError
     from parallel3d.config.compose import compose
     from parallel3d.data import open_eval_corpus
     from parallel3d.data.checks import check_heldout
-    from parallel3d.validate import ConfigError
 
     web = write_jsonl(tmp_path / "web.jsonl", documents("web", 40))
     overrides = [f"data.sources=[{web}]", f"data.cache_dir={tmp_path / 'cache'}", "eval.fraction=0.01"]

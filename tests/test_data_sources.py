@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from data_files import documents, write_jsonl, write_mixture, write_parquet, write_saved_dataset
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
 from parallel3d.data import TokenFile, load_tokenizer, open_eval_corpus, open_sources, write_token_file
 from parallel3d.data import sources as src
 from parallel3d.data.shards import is_heldout, prepare_shards, shard_files
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 
 def _read(path) -> list[str]:

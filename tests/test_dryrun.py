@@ -21,6 +21,7 @@ import torch.distributed as dist
 from conftest import FAST, launch
 from omegaconf import OmegaConf
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
 from parallel3d.config.schema import ModelConfig
 from parallel3d.models import Transformer, num_params
@@ -28,7 +29,7 @@ from parallel3d.planner import predict
 from parallel3d.planner.comm import ring, stage_traffic
 from parallel3d.planner.dryrun import RankReport, dry_run, run_rank
 from parallel3d.planner.layout import rank_stages
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import bench_memory  # noqa: E402

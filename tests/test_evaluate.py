@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from conftest import RUN_TIMEOUT_S, assert_matches, env, layouts, prefetch_selected, relative_error
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
 from parallel3d.config.schema import DataConfig, EvalConfig
 from parallel3d.data import BatchSpec, load_tokenizer, open_eval_corpus, text_files, write_token_file
 from parallel3d.inference.evaluate import Evaluator
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -12,11 +12,12 @@ from conftest import assert_matches, relative_error
 from omegaconf import OmegaConf
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
 from parallel3d.optim.muon import Muon, MuonWithAdamW, is_muon_parameter
 from parallel3d.optim.schedule import lr_factor
 from parallel3d.step import build_setup, train_step
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 # Newton–Schulz runs in bfloat16, slow on a CPU: a narrower tiny model keeps every run short.
 MUON = ["optim=muon_cosine", "model.dim=64", "model.ffn_dim=128", "model.n_layers=2"]

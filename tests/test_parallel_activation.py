@@ -8,10 +8,11 @@ from conftest import layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
 from parallel3d.models import Transformer
 from parallel3d.parallel.activation import apply_activation_checkpointing
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 LAYOUTS = layouts({
     "dp2-zero3-ac-full": (2, ["parallel.zero_stage=3", "model.activation_checkpoint=full",

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 from conftest import FAST, assert_matches, final_weights, launch, layouts, prefetch_selected, relative_error
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 MOE = ["model=tiny_moe"]
 

@@ -18,13 +18,14 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
 from parallel3d.models import Transformer
 from parallel3d.parallel.data import DataParallelPlan, apply_data_parallel
 from parallel3d.parallel.float8 import Float8Plan, apply_float8, float8_block_plan, is_float8
 from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.tensor import apply_tensor_parallel, block_plan
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 pytest.importorskip("torchao.float8")
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 from conftest import assert_matches, layouts, prefetch_selected
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 # At the default lr (3e-3) the tiny MoE's tenth step amplifies float rounding (1e-8) past 1e-5 in
 # the grad norm of some layouts; at 1e-3 every layout stays within 1e-7 of one process.

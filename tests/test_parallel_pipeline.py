@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from conftest import layouts, prefetch_selected
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
 from parallel3d.parallel.pipeline import layer_split, stage_ids, stage_model
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 

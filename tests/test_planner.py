@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
 from parallel3d.models import Transformer
 from parallel3d.observe.metrics import model_state_bytes
@@ -33,7 +34,7 @@ from parallel3d.planner import Hardware, SearchSpace, predict, rank_layouts
 from parallel3d.planner.comm import ring
 from parallel3d.planner.plan import evaluate
 from parallel3d.planner.schedule import _simulated_microbatches, bubble_fraction, in_flight_microbatches
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from matplotlib.colors import to_hex
 
-from parallel3d.cli.plot_metrics import DEFAULT_METRICS, GIB, load_metrics, main, metric_figure, plot_runs, run_labels
+from parallel3d.base import GIB
+from parallel3d.cli.plot_metrics import DEFAULT_METRICS, load_metrics, main, metric_figure, plot_runs, run_labels
 
 
 def row(step: int, loss: float, **extra) -> dict:

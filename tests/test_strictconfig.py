@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
 from parallel3d.config.strict import RECIPES_ENV, RecipeError
 from parallel3d.launch.run import first_config_error, take_recipes_dir
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 
 def test_a_key_added_with_plus_is_refused_with_the_nearest_key():

@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import env, refused_by_the_launcher
 
+from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
-from parallel3d.validate import ConfigError, check
+from parallel3d.validate import check
 
 # (overrides, world size, key the message must name, words it must contain)
 BAD = [

@@ -95,7 +95,9 @@ def data_wait(sources: list[str], tokenizer: Path, cache: Path, steps: int, run_
             f"train.steps={steps}", "optim.warmup_steps=2", "train.seq_len=256"]
     subprocess.run(args, cwd=run_dir.parent, capture_output=True, text=True, check=True,
                    env={**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]  # after step 1
+    from parallel3d.observe.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")[1:]  # after step 1
     return (sum(r["data_wait_s"] for r in rows) / len(rows), sum(r["step_time_s"] for r in rows) / len(rows))
 
 

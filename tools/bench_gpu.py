@@ -36,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from bench_common import heading  # noqa: E402
 from bench_overhead import ours_records, plain_records  # noqa: E402
 
-from parallel3d.config.compose import compose
+from parallel3d.base import GIB  # noqa: E402
+from parallel3d.config.compose import compose  # noqa: E402
 from parallel3d.models import flops_per_token  # noqa: E402
 from parallel3d.observe.metrics import peak_flops  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
 
-GiB = 2**30
 BF16 = ["train.param_dtype=bfloat16", "checkpoint.every=0", "model.activation_checkpoint=none", "optim.warmup_steps=1"]
 # name: (what it is, overrides). The recipes' own batches: 1B trains 8 micro batches of 4 x 2048
 # tokens a step; 8B's blocks 4 micro batches of 8192 tokens, with as many blocks as fit 80 GB.
@@ -134,13 +134,13 @@ def report(case: str, overrides: list[str], tmp: Path, loops: list[str]) -> list
     gaps = ", ".join(f"{what} {loss_gap(a, b):.1e}" for what, a, b in GAPS if a in results and b in results)
     rows = [f"**{CASES[case][0]}**: {t.global_batch_size // t.micro_batch_size} micro batches of "
             f"{t.micro_batch_size} x {t.seq_len} tokens a step, GFLOP per token {per_token}; planner peak "
-            f"{planned / GiB:.2f} GiB; {float8_layers(overrides, device.type)}. Largest relative loss difference from "
+            f"{planned / GIB:.2f} GiB; {float8_layers(overrides, device.type)}. Largest relative loss difference from "
             f"parallel3d (bf16, eager or compiled as the loop): {gaps}.\n",
             "| loop | step s | tokens/s | MFU (6N + attention) | MFU (causal half) | peak GiB | planner vs peak |",
             "|---|---|---|---|---|---|---|"]
     for loop, r in results.items():
         mfu = [f"{r['tokens_per_sec'] * f / peak_flop_s:.1%}" if peak_flop_s else "–" for f in flops.values()]
-        peak = f"{r['peak'] / GiB:.2f}" if r["peak"] else "–"
+        peak = f"{r['peak'] / GIB:.2f}" if r["peak"] else "–"
         gap = f"{planned / r['peak'] - 1:+.1%}" if r["peak"] else "–"
         rows.append(f"| {loop} | {r['step_time_s']:.3f} | {r['tokens_per_sec']:,.0f} | {mfu[0]} | {mfu[1]} | "
                     f"{peak} | {gap} |")

@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from bench_common import print_dry_run_table  # noqa: E402
 
-from parallel3d.config.compose import compose
+from parallel3d.base import GIB  # noqa: E402
+from parallel3d.config.compose import compose  # noqa: E402
 from parallel3d.planner import predict  # noqa: E402
 from parallel3d.planner.dryrun import dry_run  # noqa: E402
 
-GiB = 2**30
 BF16 = ["train.param_dtype=bfloat16", "train.reduce_dtype=float32", "train.seq_len=8192", "train.micro_batch_size=1"]
 # name: (world size, overrides, ranks). Without pipelining the peak does not depend on the number
 # of micro batches, so 70B runs 8 of them instead of 128.
@@ -85,8 +85,8 @@ def table(layouts: dict) -> list[str]:
         for report in dry_run(overrides, world, ranks):
             pp = report.coords.get("pp", 0)
             cpu, gpu = (plans[d].ranks[pp].peak_bytes for d in ("cpu", "cuda"))
-            rows.append(f"| {name} | {report.rank} | {report.peak_bytes / GiB:.2f} | {cpu / GiB:.2f} | "
-                        f"{cpu / report.peak_bytes - 1:+.1%} | {gpu / GiB:.2f} |")
+            rows.append(f"| {name} | {report.rank} | {report.peak_bytes / GIB:.2f} | {cpu / GIB:.2f} | "
+                        f"{cpu / report.peak_bytes - 1:+.1%} | {gpu / GIB:.2f} |")
     return rows
 
 

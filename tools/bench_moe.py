@@ -13,7 +13,6 @@ step time over the steps after the first two (warm-up), tokens per second, and p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ from bench_common import heading  # noqa: E402
 
 from parallel3d.config.compose import compose
 from parallel3d.models import Transformer, flops_per_token, num_params  # noqa: E402
+from parallel3d.observe.metrics import read_metrics  # noqa: E402
 
 
 def variants(extra: list[str]) -> dict[str, list[str]]:
@@ -45,7 +45,7 @@ def train(overrides: list[str], steps: int) -> list[dict]:
         cmd = [sys.executable, "-m", "parallel3d.train", f"run_dir={run_dir}", f"train.steps={steps}",
                "optim.warmup_steps=2", *overrides]
         subprocess.run(cmd, check=True, capture_output=True, env=env)
-        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return read_metrics(run_dir / "metrics.jsonl")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,13 +45,14 @@ import torch.nn.functional as F
 from bench_common import heading, torch_threads
 from omegaconf import OmegaConf
 
+from parallel3d.base import DTYPES
 from parallel3d.config.compose import compose
 from parallel3d.data import BatchSpec, StepSampler, open_corpus
 from parallel3d.models import Transformer
+from parallel3d.observe.metrics import read_metrics  # noqa: E402
 from parallel3d.optim.adamw import decay_groups
 from parallel3d.optim.schedule import build_lr_scheduler
 from parallel3d.train import train
-from parallel3d.validate import DTYPES
 
 
 def ours(overrides: list[str], run_dir: Path) -> list[float]:
@@ -66,7 +67,7 @@ def ours_records(overrides: list[str], run_dir: Path) -> list[dict]:
         train(compose([*overrides, f"run_dir={run_dir}"]))
     if torch.distributed.is_initialized():  # below float32 one process has a group of one rank (mesh.py)
         torch.distributed.destroy_process_group()  # which run_job, not train(), tears down
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def plain(overrides: list[str], run_dir: Path) -> list[float]:

@@ -26,7 +26,6 @@ reads Hugging Face weights directly, each rank only its own slices, at any layou
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+from parallel3d.base import DTYPES, parse_size
 from parallel3d.checkpoint.checkpointer import find_checkpoint
 from parallel3d.checkpoint.resume import checkpoint_problem
 from parallel3d.config.schema import ModelConfig
@@ -46,19 +46,16 @@ from parallel3d.hf.lora import adapted, merge_adapters, write_adapter
 from parallel3d.models import Transformer
 from parallel3d.models.lora import is_adapter
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
 # dcp.load without a process group says so on every call; here that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
-def parse_size(text: str) -> int:
-    """``5GB`` -> 5_000_000_000 (as transformers counts), ``500MiB``, ``2e6``, or plain bytes."""
-    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (say 5GB, 500MB, 2GiB or a number of bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+def shard_size(text: str) -> int:
+    """``--max-shard-size``: ``5GB`` -> 5_000_000_000 (as transformers counts), ``500MiB``, ``2e6``, or bytes."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def model_config(step_dir: Path) -> ModelConfig:
@@ -170,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", type=Path, help="a step_<N> folder, a checkpoints/ folder or a run_dir")
     p.add_argument("out_dir", type=Path, help="folder to write (new, or without safetensors files)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the written weights")
-    p.add_argument("--max-shard-size", type=parse_size, default="5GB",
+    p.add_argument("--max-shard-size", type=shard_size, default="5GB",
                    help="largest output file, e.g. 5GB (default), 500MB, 2GiB")
     p.add_argument("--adapter-dir", type=Path, default=None,
                    help="a LoRA run: also write its adapters there in PEFT's format (OUT_DIR gets them merged)")

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from parallel3d.base import ConfigError
 from parallel3d.planner.dryrun import RankReport, dry_run
-from parallel3d.validate import ConfigError
 
 UNITS = {"GiB": 2**30, "MiB": 2**20}
 # MemTracker's categories at the peak, in the order printed.

@@ -23,12 +23,10 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.base import RunError
+from parallel3d.base import DTYPES, RunError
 from parallel3d.config.hf_folder import is_hf_dir
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
 from parallel3d.inference.generate import generate, load_hf_model, load_model, resolve_checkpoint, saved_config
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -19,21 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
-GiB = 2**30
-UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
-         "tb": 1e12}
+from parallel3d.base import GIB, parse_size
+
 GROUPS = (("dp", "dp"), ("dp_shard", "shard"), ("dp_replicate", "repl"), ("tp", "tp"), ("pp", "pp"))
 
 
 def parse_bytes(text: str) -> int:
     """``80`` (GiB, as GPU memory is quoted), ``80GiB``, ``80GB``, ``85899345920B`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 80 or 80GiB, 80GB, 85899345920B)")
-    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    try:
+        return parse_size(text, bare_unit=GIB)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def gb(x: float) -> str:
@@ -41,7 +39,7 @@ def gb(x: float) -> str:
 
 
 def gib(x: float) -> str:
-    return f"{x / GiB:.1f}"
+    return f"{x / GIB:.1f}"
 
 
 def layout_cells(plan) -> list[str]:
@@ -110,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--gpus", type=int, help="rank every layout on this many GPUs")
     mode.add_argument("--world-size", type=int, help="break down the configured layout on this many ranks")
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu-memory", type=parse_bytes, default=80 * GiB, help="per GPU: 80 (GiB), 80GiB (default), 80GB")
+    parser.add_argument("--gpu-memory", type=parse_bytes, default=80 * GIB, help="per GPU: 80 (GiB), 80GiB (default), 80GB")
     parser.add_argument("--intra-node-bw", type=float, default=450, help="GB/s one GPU sends in a node (450)")
     parser.add_argument("--inter-node-bw", type=float, default=50, help="GB/s one GPU sends across nodes (50)")
     parser.add_argument("--peak-tflops", type=float, default=989, help="dense TFLOP/s per GPU (989: H100 bf16)")
@@ -125,9 +123,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
+    from parallel3d.base import ConfigError
     from parallel3d.config.compose import compose
     from parallel3d.planner import Hardware, predict, rank_layouts
-    from parallel3d.validate import ConfigError
 
     overrides = list(args.overrides)
     if args.seq_len:

@@ -16,7 +16,6 @@ a wide band is a rank that holds the others back (docs/observability.md).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,9 +26,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from parallel3d.base import GIB  # noqa: E402
+from parallel3d.observe.metrics import read_metrics  # noqa: E402
+
 RANK_SPREAD = "step_time_ranks"  # step_time_max_s and step_time_min_s in one plot
 DEFAULT_METRICS = ("loss", "val_loss", "grad_norm", "lr", "tokens_per_sec", RANK_SPREAD, "mfu", "max_memory_bytes")
-GIB = 2**30
 # metric -> (axis label, factor from the logged value to the plotted one)
 UNITS = {
     "loss": ("loss", 1),
@@ -64,20 +65,7 @@ def metrics_file(run: str | Path) -> Path:
 
 def load_metrics(run: str | Path) -> list[dict]:
     """One run's rows sorted by step; a step logged twice keeps its last row."""
-    path = metrics_file(run)
-    lines = path.read_text().splitlines()
-    by_step = {}
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            by_step[row["step"]] = row
-        except (ValueError, KeyError, TypeError):
-            if i == len(lines):  # a run still writing, or killed mid-write, leaves a partial last line
-                break
-            raise ValueError(f"{path}:{i}: not a JSON object with a step") from None
-    return [by_step[step] for step in sorted(by_step)]
+    return read_metrics(metrics_file(run))
 
 
 def run_labels(runs: list[str | Path]) -> list[str]:

@@ -226,7 +226,7 @@ def _read_json_array(shard: Shard, text_field: str):
                        else f"a record without the '{text_field}' field" if value is None
                        else f"'{text_field}' holds {type(value).__name__}, not text")
             raise DataError(f"{shard.path} array index {index}", problem,
-                            f"fix that record, or set data.text_field to the field that holds the text")
+                            "fix that record, or set data.text_field to the field that holds the text")
         texts.append(value)
     return pa.table({text_field: pa.array(texts, pa.string())})
 
@@ -234,7 +234,7 @@ def _read_json_array(shard: Shard, text_field: str):
 def _require_field(shard: Shard, names: list[str], text_field: str) -> None:
     if text_field not in names:
         raise DataError(f"{shard.path} row 0", f"no '{text_field}' field (fields: {', '.join(names)[:80]})",
-                        f"set data.text_field to the field that holds the text")
+                        "set data.text_field to the field that holds the text")
 
 
 def _check_column(shard: Shard, column, text_field: str, first_row: int) -> None:
@@ -244,11 +244,11 @@ def _check_column(shard: Shard, column, text_field: str, first_row: int) -> None
     where = "line" if shard.kind == "json" else "row"
     if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
         raise DataError(f"{shard.path} {where} {_line(shard, first_row)}", f"'{text_field}' holds {column.type}, "
-                        "not text", f"set data.text_field to a text field")
+                        "not text", "set data.text_field to a text field")
     if column.null_count:
         row = first_row + pc.index(column.is_null(), True).as_py()
         raise DataError(f"{shard.path} {where} {_line(shard, row)}", f"a record without the '{text_field}' field",
-                        f"add the text to that record or remove it")
+                        "add the text to that record or remove it")
     try:
         column.validate(full=True)  # pyarrow's json reader passes invalid UTF-8 through
     except pa.ArrowInvalid:

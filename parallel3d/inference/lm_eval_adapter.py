@@ -28,10 +28,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from parallel3d.base import DTYPES
 from parallel3d.data.tokenizer import load_tokenizer
 from parallel3d.inference.generate import generate, load_model, resolve_checkpoint, saved_config
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @register_model("parallel3d")

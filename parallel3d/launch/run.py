@@ -135,9 +135,10 @@ def first_config_error(overrides: list[str], sizes: list[int], device: str | Non
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from parallel3d.base import ConfigError
     from parallel3d.config.compose import compose
     from parallel3d.config.strict import RecipeError
-    from parallel3d.validate import ConfigError, check
+    from parallel3d.validate import check
 
     for world_size in sizes:
         try:

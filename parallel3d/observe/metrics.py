@@ -133,18 +133,45 @@ class MetricsLogger:
             self.tensorboard.close()
 
 
+def parsed_lines(path: Path) -> list[tuple[int, str, dict | None]]:
+    """Each non-empty line of a metrics.jsonl as (line number, text, its row), the row None where
+    the line is not a JSON object with a ``step`` (a write cut short by a kill)."""
+    parsed = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            parsed.append((n, line, row if isinstance(row, dict) and "step" in row else None))
+        except ValueError:
+            parsed.append((n, line, None))
+    return parsed
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl's rows sorted by step; a step logged twice (after a resume or a rollback) keeps
+    its last row. A partial last line (a run still writing, or killed mid-write) is left out; an
+    unreadable line before it raises ValueError naming the file and line."""
+    lines = parsed_lines(path)
+    by_step = {}
+    for i, (n, _, row) in enumerate(lines):
+        if row is None:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{n}: not a JSON object with a step")
+        by_step[row["step"]] = row
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def kept_rows(path: Path, resumed_at: int) -> list[str]:
     """The lines of metrics.jsonl up to step ``resumed_at``. A line that does not parse (the half
     written last line of a killed run) is dropped with a message: it must not block the resume."""
     kept = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            step = json.loads(line)["step"] if line.strip() else None
-        except (ValueError, KeyError, TypeError):
+    for n, line, row in parsed_lines(path):
+        if row is None:
             print(f"parallel3d: dropped unreadable line {n} of {path} (a write cut short)", file=sys.stderr,
                   flush=True)
-            continue
-        if step is not None and step <= resumed_at:
+        elif row["step"] <= resumed_at:
             kept.append(line)
     return kept
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from parallel3d.base import RunError
+from parallel3d.base import GIB, RunError
 from parallel3d.config.schema import Config
 from parallel3d.observe.metrics import max_memory_bytes
 from parallel3d.runtime.failures import log_path
@@ -27,7 +27,6 @@ from parallel3d.runtime.failures import log_path
 # Operator names of collectives and point-to-point transfers, as the profiler records them.
 COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:", "record_param_comms")
 HISTORY_ENTRIES = 100_000  # allocator events kept: enough for a few steps of a large model
-GIB = 2**30
 
 
 def is_communication(name: str) -> bool:

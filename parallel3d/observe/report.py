@@ -10,7 +10,6 @@ is recomputed; a run still training reports what it has written so far.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import Counter
@@ -18,19 +17,8 @@ from pathlib import Path
 
 import yaml
 
-GIB = 2**30
-
-
-def read_rows(path: Path) -> list[dict]:
-    """metrics.jsonl's rows by step (a step logged twice keeps its last row); a partial last line is skipped."""
-    by_step = {}
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            row = json.loads(line)
-            by_step[row["step"]] = row
-        except (ValueError, KeyError, TypeError):
-            continue
-    return [by_step[step] for step in sorted(by_step)]
+from parallel3d.base import GIB
+from parallel3d.observe.metrics import read_metrics
 
 
 def layout_line(config: dict) -> str:
@@ -110,7 +98,7 @@ def report(run_dir: Path) -> list[str]:
     lines = [f"run:         {run_dir} ({config.get('recipe') or 'custom'})"]
     if config:
         lines.append(layout_line(config))
-    rows = read_rows(metrics_path)
+    rows = read_metrics(metrics_path)
     planned = config.get("train", {}).get("steps")
     lines += metric_lines(rows, planned) if rows else ["steps:       none logged yet"]
     return lines + file_lines(run_dir)

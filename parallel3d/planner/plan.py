@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from parallel3d.base import GIB
 from parallel3d.models import flops_per_token
 from parallel3d.planner.activations import (
     Geometry,
@@ -20,14 +21,12 @@ from parallel3d.planner.memory import ModelState, stage_model_state, transient_b
 from parallel3d.planner.schedule import bubble_fraction, in_flight_microbatches, peak_in_flight
 from parallel3d.validate import check
 
-GiB = 2**30
-
 
 @dataclass(frozen=True)
 class Hardware:
     """What step-time estimates and the memory fit assume. Defaults: H100 SXM 80 GB nodes."""
 
-    gpu_memory_bytes: int = 80 * GiB
+    gpu_memory_bytes: int = 80 * GIB
     gpus_per_node: int = 8
     intra_node_bw: float = 450e9  # bytes/s one GPU sends inside a node (NVLink 4: 900 GB/s both ways)
     inter_node_bw: float = 50e9  # bytes/s one GPU sends across nodes (a 400 Gb/s NIC per GPU)

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field, replace
 
 from omegaconf import DictConfig, OmegaConf
 
+from parallel3d.base import ConfigError, divisors
 from parallel3d.config.schema import Config
 from parallel3d.planner.layout import Layout, ModelShape
 from parallel3d.planner.plan import Hardware, Plan, evaluate
-from parallel3d.validate import ConfigError, check, divisors
+from parallel3d.validate import check
 
 AC_ORDER = ("none", "op", "selective", "full")  # least recomputation first
 
