@@ -45,7 +45,7 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def process_rank() -> int:
+def rank() -> int:
     """This process's rank: the process group's once one is up, else torchrun's ``RANK`` (0 alone)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 

@@ -15,13 +15,14 @@ takes over the console, which we neither need nor want under torchrun's shared t
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from tqdm import tqdm
+
+from parallel3d.base import rank
 
 STEPS = "train"
 
@@ -36,7 +37,7 @@ class Progress:
 
     def __init__(self, enabled: bool | None = None, file: TextIO | None = None, out: TextIO | None = None):
         if enabled is None:  # torchrun sets RANK; a lone process is rank 0
-            enabled = int(os.environ.get("RANK", "0")) == 0
+            enabled = rank() == 0
         self.enabled = enabled
         self.file = file if file is not None else sys.stderr
         self.out = out if out is not None else sys.stdout

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import CheckpointException
 
-from parallel3d.base import ConfigError, world_size_from_env
+from parallel3d.base import ConfigError, rank, world_size_from_env
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState, full_model_state
 from parallel3d.checkpoint.resume import (
     check_hf_weights,
@@ -35,7 +35,7 @@ from parallel3d.checkpoint.resume import (
 )
 from parallel3d.config import hf_folder
 from parallel3d.config.compose import CONF_DIR, register_configs, user_set_keys
-from parallel3d.config.hf_folder import apply_hf_folder, describe
+from parallel3d.config.hf_folder import apply_hf_folder, loaded_line
 from parallel3d.config.schema import Config
 from parallel3d.config.strict import RecipeError
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
@@ -59,19 +59,18 @@ from parallel3d.runtime.failures import (
     EXIT_INTERRUPTED,
     EXIT_REQUEUE,
     SweepFailures,
-    log_path,
+    ensure_rank_log,
     report_failure,
     warnings_to_log,
 )
 from parallel3d.runtime.guard import BadStepGuard, TrainingDiverged
 from parallel3d.runtime.process_group import init_distributed, report_hangs_in
 from parallel3d.runtime.rundir import (
+    agree_on_run_dir,
     output_dir_is_run_dir,
     own_run_dir,
-    rank,
     register_rank0_dir,
     release_run_dir,
-    shared_run_dir,
     unwritable_run_dir,
 )
 from parallel3d.runtime.signals import Interrupted, Stopped, StopSignals, interruptible
@@ -89,12 +88,12 @@ def train(cfg: DictConfig) -> Path:
     device = init_distributed(cfg.train, world_size)
     is_rank0 = rank() == 0
     torch.manual_seed(cfg.train.seed + rank())  # the global RNG (checkpointed), reproducible per rank
-    run_dir = shared_run_dir(str(cfg.run_dir))
+    run_dir = agree_on_run_dir(str(cfg.run_dir))
     cfg.run_dir = str(run_dir)
     own_run_dir(run_dir, fresh_start=cfg.checkpoint.resume == "none")  # released by run_job
     report_hangs_in(run_dir)
     if not is_rank0:  # rank 0 shows each warning once; the others' go to run_dir/logs/rank<N>.log
-        warnings_to_log(log_path(run_dir, rank()))
+        warnings_to_log(ensure_rank_log(run_dir, rank()))
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     if is_rank0:
         (run_dir / "config.yaml").write_text(config_yaml)
@@ -351,7 +350,7 @@ def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: 
         if is_rank0 and hf_folder.is_hf_dir(init_from):
             with torch.device("meta"):
                 size = num_params(Transformer(c.model))
-            print(describe(init_from, n_params=size, tokenizer=c.data.tokenizer), flush=True)
+            print(loaded_line(init_from, n_params=size, tokenizer=c.data.tokenizer), flush=True)
     return 0, 0
 
 

@@ -32,7 +32,7 @@ from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts
 from parallel3d.planner import Hardware, SearchSpace, predict, rank_layouts
 from parallel3d.planner.comm import ring
-from parallel3d.planner.plan import evaluate
+from parallel3d.planner.plan import make_plan
 from parallel3d.planner.schedule import _simulated_microbatches, bubble_fraction, in_flight_microbatches
 from parallel3d.validate import check
 
@@ -352,7 +352,7 @@ def test_long_context_recipe_is_what_the_planner_recommends():
     assert without_cp and best.step_s < min(c.step_s for c in without_cp)
     # cp divides the activations: the same layout's activation bytes halve from cp 1 to cp 2
     lay = best.layout
-    halved = evaluate(best.plan.model, dataclasses.replace(lay, cp=1, dp_shard=16)).activation_bytes
+    halved = make_plan(best.plan.model, dataclasses.replace(lay, cp=1, dp_shard=16)).activation_bytes
     assert best.plan.activation_bytes * 2 == pytest.approx(halved, rel=1e-3)
 
 

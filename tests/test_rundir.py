@@ -16,12 +16,12 @@ from conftest import FAST, env
 from parallel3d.runtime.rundir import (
     RunDirError,
     RunLock,
+    agree_on_run_dir,
     given_run_dir,
     move_earlier_run_aside,
     own_run_dir,
     release_run_dir,
     run_dir_override,
-    shared_run_dir,
     unwritable_run_dir,
 )
 
@@ -89,7 +89,7 @@ def test_an_unwritable_run_dir_is_one_line_before_hydra(tmp_path):
     assert problem.startswith(f"run_dir={tmp_path / 'file' / 'run'} is not writable") and "Fix:" in problem
     assert unwritable_run_dir(["train.py", f"run_dir={tmp_path / 'ok'}"]) is None
     with pytest.raises(RunDirError, match="not writable"):
-        shared_run_dir(str(tmp_path / "file" / "run"))
+        agree_on_run_dir(str(tmp_path / "file" / "run"))
 
 
 def test_a_quoted_run_dir_with_spaces_is_the_run_dir_and_nothing_else_is_made(tmp_path):

@@ -21,19 +21,19 @@ from pathlib import Path
 import pytest
 from conftest import env
 
-from parallel3d.runtime.watchdog import Hang, describe
+from parallel3d.runtime.watchdog import Hang, hang_line
 
 TIMEOUT_S = 10
 STACKS = "Python stacks of every thread"
 
 
 def test_describe_names_silent_late_and_frozen_ranks():
-    assert describe(Hang(7, "all_reduce called from parallel3d/runtime/guard.py:97 (update_allowed)", [1], {1: 6}), 0) == (
+    assert hang_line(Hang(7, "all_reduce called from parallel3d/runtime/guard.py:97 (update_allowed)", [1], {1: 6}), 0) == (
         "rank 1 (last seen at step 6) stopped answering (no heartbeat) while rank 0 waited at step 7 in all_reduce "
         "called from parallel3d/runtime/guard.py:97 (update_allowed)")
-    assert describe(Hang(7, "", [], {0: 7, 1: 5, 2: 5}), 0).startswith("ranks 1, 2 are alive but still at step 5")
-    assert "did not run for 12 s" in describe(Hang(7, "", [0], {}, frozen_s=12.3), 1)
-    assert "every rank is alive at step 7" in describe(Hang(7, "", [], {0: 7, 1: 7}), 0)
+    assert hang_line(Hang(7, "", [], {0: 7, 1: 5, 2: 5}), 0).startswith("ranks 1, 2 are alive but still at step 5")
+    assert "did not run for 12 s" in hang_line(Hang(7, "", [0], {}, frozen_s=12.3), 1)
+    assert "every rank is alive at step 7" in hang_line(Hang(7, "", [], {0: 7, 1: 7}), 0)
 
 
 def _workers(root_pid: int) -> dict[int, int]:

@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
+from parallel3d.base import rank
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.checkpoint.manifest import file_entries, verify_manifest, write_manifest
 from parallel3d.config import hf_folder
@@ -134,7 +135,7 @@ class Checkpointer:
         self.root, self.cfg = run_dir / "checkpoints", cfg
         # Reports "saving step_N" / "saved"; silent unless given (training passes rank 0's display).
         self.progress = progress if progress is not None else Progress(enabled=False)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = rank()
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         # A group of its own: an asynchronous save coordinates ranks while training uses the default one.
         self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None

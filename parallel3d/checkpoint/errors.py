@@ -40,7 +40,7 @@ def _first_failure(error: BaseException) -> BaseException:
     return error
 
 
-def describe(error: BaseException, path: Path, saving: bool) -> str:
+def failure_line(error: BaseException, path: Path, saving: bool) -> str:
     """One line: which file, what went wrong, and the fix."""
     cause = _first_failure(error)
     where = Path(getattr(cause, "filename", None) or path)
@@ -68,9 +68,9 @@ def checkpoint_errors(path: Path, *, saving: bool, every_rank: bool = False):
     except CheckpointError:
         raise
     except CheckpointException as e:
-        raise CheckpointError(describe(e, path, saving), every_rank=True) from e
+        raise CheckpointError(failure_line(e, path, saving), every_rank=True) from e
     except (OSError, RunError) as e:
-        raise CheckpointError(describe(e, path, saving), every_rank=every_rank) from e
+        raise CheckpointError(failure_line(e, path, saving), every_rank=every_rank) from e
 
 
 def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:

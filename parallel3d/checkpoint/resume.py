@@ -22,7 +22,7 @@ import yaml
 
 from parallel3d.base import ConfigError, RunError
 from parallel3d.checkpoint.checkpointer import COMPLETE, META, complete_steps, find_checkpoint
-from parallel3d.checkpoint.errors import CheckpointError, describe
+from parallel3d.checkpoint.errors import CheckpointError, failure_line
 from parallel3d.checkpoint.manifest import MANIFEST, ManifestMissing, first_problem, gathered, share_problem
 from parallel3d.data.tokenizer import tokenizer_hash
 
@@ -105,7 +105,7 @@ def _decided_together(decide, path: Path, group):
     except RunError as e:
         verdict = (str(e), None)
     except OSError as e:
-        verdict = (describe(e, path, saving=False), None)
+        verdict = (failure_line(e, path, saving=False), None)
     failures = [failure for failure, _ in gathered(verdict, group) if failure]
     if failures:
         raise CheckpointError(failures[0], every_rank=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from parallel3d.base import ConfigError, world_size_from_env
+from parallel3d.base import ConfigError, rank, world_size_from_env
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.config.schema import Config, ParallelConfig
 from parallel3d.data import Workers, open_eval_corpus
@@ -35,7 +35,6 @@ from parallel3d.inference.evaluate import Evaluator
 from parallel3d.inference.generate import resolve_checkpoint
 from parallel3d.runtime.failures import report_failure
 from parallel3d.runtime.process_group import init_distributed
-from parallel3d.runtime.rundir import rank
 from parallel3d.step import build_setup
 from parallel3d.validate import check
 

@@ -292,7 +292,7 @@ def _apply_tokenizer(cfg, path: Path, user_set: bool) -> None:
                 "drop data.tokenizer")
 
 
-def describe(path: Path, *, n_params: int, tokenizer: str) -> str:
+def loaded_line(path: Path, *, n_params: int, tokenizer: str) -> str:
     """The console line that says what was loaded from where."""
     hf = read_config(path)
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from parallel3d.base import rank
 from parallel3d.models import flops_per_token
 from parallel3d.observe.metrics import max_memory_bytes, model_state_bytes, peak_flops
 from parallel3d.runtime.straggler import StragglerWatch, burn, gather_hostnames
@@ -39,8 +40,8 @@ class StepMeter:
         c = setup.config
         self.stragglers = StragglerWatch(factor=c.logging.straggler_factor, steps=c.logging.straggler_steps,
                                          hosts=gather_hostnames())
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self.slow_s = c.debug.slow_rank_s if c.debug.slow_rank == rank else 0.0
+        own = rank()
+        self.slow_s = c.debug.slow_rank_s if c.debug.slow_rank == own else 0.0
         t = setup.config.train
         self.global_tokens = t.global_batch_size * t.seq_len
         self.flops = flops_per_token(setup.config.model, t.seq_len)

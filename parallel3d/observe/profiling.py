@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from parallel3d.base import GIB, RunError
 from parallel3d.config.schema import Config
 from parallel3d.observe.metrics import max_memory_bytes
-from parallel3d.runtime.failures import log_path
+from parallel3d.runtime.failures import ensure_rank_log
 
 # Operator names of collectives and point-to-point transfers, as the profiler records them.
 COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:", "record_param_comms")
@@ -43,7 +43,7 @@ class StepProfiler:
                  say: Callable[[str], None], planned_peaks: Callable[[], list[int]] = list):
         self.c, self.rank, self.world_size, self.device = c, rank, world_size, device
         self.planned_peaks = planned_peaks
-        self.say, self.log_file = say, log_path(run_dir, rank) if rank else None
+        self.say, self.log_file = say, ensure_rank_log(run_dir, rank) if rank else None
         self.first, self.last = (c.profile.steps or [0, -1])
         self.here = bool(c.profile.steps) and (c.profile.ranks is None or rank in c.profile.ranks)
         self.folder = run_dir / "profile"

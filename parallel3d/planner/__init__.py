@@ -33,9 +33,9 @@ What is exact and what is a model:
 
 from parallel3d.planner.layout import Layout, ModelShape
 from parallel3d.planner.memory import ModelState
-from parallel3d.planner.plan import Hardware, Plan, RankMemory, StepTime, evaluate, predict
+from parallel3d.planner.plan import Hardware, Plan, RankMemory, StepTime, make_plan, predict
 from parallel3d.planner.schedule import bubble_fraction
 from parallel3d.planner.search import Candidate, SearchSpace, rank_layouts
 
 __all__ = ["Candidate", "Hardware", "Layout", "ModelShape", "ModelState", "Plan", "RankMemory", "StepTime",
-           "SearchSpace", "bubble_fraction", "evaluate", "predict", "rank_layouts"]
+           "SearchSpace", "bubble_fraction", "make_plan", "predict", "rank_layouts"]

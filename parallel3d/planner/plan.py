@@ -133,10 +133,10 @@ def predict(cfg, world_size: int, hardware: Hardware | None = None) -> Plan:
     ``cfg`` as it is."""
     machines = "cpu" if cfg.train.device == "cpu" else "cuda"  # a plan may be made away from the cluster
     cfg = check(cfg, world_size, device=machines)
-    return evaluate(ModelShape.from_config(cfg.model), Layout.from_config(cfg, machines), hardware)
+    return make_plan(ModelShape.from_config(cfg.model), Layout.from_config(cfg, machines), hardware)
 
 
-def evaluate(model: ModelShape, layout: Layout, hardware: Hardware | None = None) -> Plan:
+def make_plan(model: ModelShape, layout: Layout, hardware: Hardware | None = None) -> Plan:
     """The plan of a layout that validation accepted."""
     ranks, traffic = [], {}
     for pp_rank in range(layout.pp):

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from parallel3d.base import ConfigError, divisors
 from parallel3d.config.schema import Config
 from parallel3d.planner.layout import Layout, ModelShape
-from parallel3d.planner.plan import Hardware, Plan, evaluate
+from parallel3d.planner.plan import Hardware, Plan, make_plan
 from parallel3d.validate import check
 
 AC_ORDER = ("none", "op", "selective", "full")  # least recomputation first
@@ -92,7 +92,7 @@ def rank_layouts(cfg: Config | DictConfig, world_size: int, *, hardware: Hardwar
                    for lay in _layouts(_with_cp(base, cp, method), model, world_size // cp, hardware, space, cp)):
         tried = []
         for mode in sorted(space.ac_modes, key=AC_ORDER.index):
-            plan = evaluate(model, replace(layout, activation_checkpoint=mode), hardware)
+            plan = make_plan(model, replace(layout, activation_checkpoint=mode), hardware)
             if plan.fits:
                 fitting.append(Candidate(plan, overrides_of(plan.layout), rejected=tried))
                 break

@@ -28,8 +28,9 @@ def debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def log_path(run_dir: str | os.PathLike | None, rank: int) -> Path:
-    """``run_dir/logs/rank<N>.log``; a temporary folder's when run_dir cannot take it."""
+def ensure_rank_log(run_dir: str | os.PathLike | None, rank: int) -> Path:
+    """Create ``run_dir/logs/rank<N>.log`` (a temporary folder's when run_dir cannot take it);
+    return its path."""
     folders = ([Path(run_dir) / "logs"] if run_dir else []) + [Path(tempfile.gettempdir()) / "parallel3d-logs"]
     for folder in folders:
         path = folder / f"rank{rank}.log"
@@ -92,7 +93,7 @@ def one_line(error: BaseException) -> str:
 
 def report_failure(error: BaseException, run_dir: str | None, rank: int) -> None:
     """Traceback to this rank's log file; one line to stderr (rank 0, or any rank for a RunError)."""
-    path = log_path(run_dir, rank)
+    path = ensure_rank_log(run_dir, rank)
     with open(path, "a") as f:
         traceback.print_exception(error, file=f)
     if debug():

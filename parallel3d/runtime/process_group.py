@@ -11,10 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel3d.base import resolve_device
+from parallel3d.base import rank, resolve_device
 from parallel3d.runtime import watchdog
-from parallel3d.runtime.failures import log_path
-from parallel3d.runtime.rundir import rank
+from parallel3d.runtime.failures import ensure_rank_log
 
 FLIGHT_RECORDER_ENTRIES = 20000  # the last collectives NCCL records per rank, dumped on a timeout
 
@@ -49,7 +48,7 @@ def init_distributed(train, world_size: int) -> torch.device:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
                                 device_id=device if device.type == "cuda" else None, store=store,
                                 rank=rank(), world_size=world_size)
-        watchdog.start(timeout_s=train.dist_timeout_s, log_path=log_path(None, rank()))
+        watchdog.start(timeout_s=train.dist_timeout_s, log_path=ensure_rank_log(None, rank()))
     return device
 
 
@@ -64,6 +63,6 @@ def report_hangs_in(run_dir: Path) -> None:
     """Once run_dir is known: the watchdog's stack dumps go to run_dir/logs/rank<N>.log and the flight
     recorder's to run_dir/logs/nccl_trace_rank_<N> (torch reads the name at its first dump; older
     versions the second variable)."""
-    watchdog.log_to(log_path(run_dir, rank()))
+    watchdog.log_to(ensure_rank_log(run_dir, rank()))
     for variable in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         os.environ.setdefault(variable, str(run_dir / "logs" / "nccl_trace_rank_"))

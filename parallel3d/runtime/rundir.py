@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from parallel3d.base import rank
+
 MULTIRUN_FLAGS = ("-m", "--multirun")
 LOCK = ".lock"
 # What a run writes at the top of its run_dir; moved aside together by a fresh start.
@@ -33,10 +35,6 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "wandb", "logs", "hf
 
 class RunDirError(RuntimeError):
     """The run_dir cannot be used as asked: the message names the folder and the fix."""
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def key_of(override: str) -> str:
@@ -95,7 +93,7 @@ def unwritable_run_dir(argv: list[str]) -> str | None:
     return _make_writable(Path(given).expanduser())
 
 
-def shared_run_dir(run_dir: str) -> Path:
+def agree_on_run_dir(run_dir: str) -> Path:
     """Every rank writes under rank 0's run_dir (ranks may disagree on Hydra's timestamp).
     Rank 0 creates it; an unwritable folder is one RunDirError on every rank."""
     problem = None

@@ -109,10 +109,10 @@ class Watchdog:
         steps = {r: beat[1] for r, beat in second.items()}
         self.hang = Hang(self.step, where, silent, steps, self._frozen_s)
         with open(self.log_path, "a") as f:
-            f.write(f"parallel3d watchdog: {describe(self.hang, self.rank)}\n")
+            f.write(f"parallel3d watchdog: {hang_line(self.hang, self.rank)}\n")
         self._diagnosed.set()
         if self.announce and silent and self.rank == min(set(range(self.world_size)) - set(silent)):
-            print(f"parallel3d: error: {describe(self.hang, self.rank)}; the collective times out at "
+            print(f"parallel3d: error: {hang_line(self.hang, self.rank)}; the collective times out at "
                   f"train.dist_timeout_s={self.timeout_s:g} s. Stacks in {self.log_path.parent}/rank<N>.log, "
                   f"NCCL's flight recorder in {self.log_path.parent}/nccl_trace_rank_<N>", file=sys.stderr, flush=True)
 
@@ -154,7 +154,7 @@ def main_thread_collective() -> str:
     return " called from ".join(part for part in (collective, caller) if part)
 
 
-def describe(hang: Hang, rank: int) -> str:
+def hang_line(hang: Hang, rank: int) -> str:
     where = f" in {hang.where}" if hang.where else ""
     if hang.frozen_s:
         return (f"rank {rank} itself did not run for {hang.frozen_s:.0f} s (stopped, or its machine froze) "
@@ -215,7 +215,7 @@ def explain(error: BaseException) -> BaseException:
         return error
     timed_out = "imed out" in str(error)  # else a peer's connection closed: it died
     failed = f"timed out after train.dist_timeout_s={_current.timeout_s:g} s" if timed_out else "failed"
-    line = (f"{describe(hang, _current.rank)}: a collective {failed} ({' '.join(str(error).split())[:200]}). "
+    line = (f"{hang_line(hang, _current.rank)}: a collective {failed} ({' '.join(str(error).split())[:200]}). "
             f"Every rank's Python stack is in "
             f"{_current.log_path.parent}/rank<N>.log. Fix: find out why {_culprit(hang, _current.rank)} hung "
             f"(its log, its machine); raise train.dist_timeout_s if a step legitimately takes longer")
