@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from parallel3d.optim.schedule import build_lr_scheduler
 from parallel3d.parallel import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync
-from parallel3d.parallel.expert import configure_moe, update_router_bias
+from parallel3d.parallel.expert import ExpertLoads, configure_moe, reduce_expert_loads, update_router_bias
 from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.parallel.mesh import Meshes, ParallelDims, build_mesh
 from parallel3d.parallel.pipeline import V_SCHEDULES, Pipeline, TiedEmbeddings, build_parts, build_schedule, num_stages
@@ -137,15 +137,21 @@ def build_model(c: Config, meshes: Meshes, device: torch.device, microbatches: i
     return torch.nn.ModuleList(pipeline.parts), pipeline, tied
 
 
+class StepResult(NamedTuple):
+    loss_sum: torch.Tensor  # this rank's summed loss
+    grad_norm: torch.Tensor
+    expert_loads: ExpertLoads | None  # over every rank (None: a dense model)
+
+
 def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard | None = None,
-               trained_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               trained_tokens: int | None = None) -> StepResult:
     """One optimizer step over this rank's micro batches: forward and backward (through the pipeline
     schedule under pp), the tied embeddings' gradient sum, global-norm clipping, the optimizer step,
     the sigmoid MoE routers' bias step and the lr step. ``guard`` decides with every rank, before the
     optimizer, whether the update happens (a bad step: no optimizer or bias step on any rank; the lr
     schedule advances). ``trained_tokens``: the global batch's trained targets (instruction data:
-    the sampler's ``trained_tokens``); None: every target. Returns (this rank's summed loss, the
-    gradient norm); the gradients stay for the caller to measure and zero."""
+    the sampler's ``trained_tokens``); None: every target. Returns this rank's summed loss, the
+    gradient norm and the step's expert loads; the gradients stay for the caller to measure and zero."""
     s, c = setup, setup.config
     s.loss_fn.set_trained_tokens(trained_tokens)
     # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
@@ -169,15 +175,16 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard
         s.tied.sync_gradients()
     grad_norm = clip_grad_norm_(params, c.train.grad_clip, uncounted=s.tied.output_copies if s.tied else (),
                                 pp_group=s.meshes.pp.get_group() if s.meshes.pp is not None else None)
+    # One reduction of the step's expert loads feeds the metrics and the sigmoid routers' bias.
+    expert_loads = reduce_expert_loads(s.parts, c.model, micro_batches=len(micro_batches), device=s.device,
+                                       world_group_size=dist.get_world_size() if dist.is_initialized() else 1)
     if guard is None or guard.update_allowed(loss_sum, grad_norm):
         s.optimizer.step()
-        # Sigmoid MoE routers: the bias that steers expert choice moves by this step's load.
-        update_router_bias(s.parts, c.model, micro_batches=len(micro_batches), device=s.device,
-                           world_group_size=dist.get_world_size() if dist.is_initialized() else 1)
+        update_router_bias(s.parts, c.model, expert_loads)  # steers expert choice by this step's load
         if c.train.float8_fsdp_all_gather:  # the next all-gathers' float8 scales, in one all-reduce
             precompute_float8_scales([s.model])
     s.scheduler.step()
-    return loss_sum, grad_norm
+    return StepResult(loss_sum, grad_norm, expert_loads)
 
 
 def rank_batch(s: Setup, inputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor | None = None

@@ -49,7 +49,7 @@ from parallel3d.models.lora import apply_lora
 from parallel3d.observe.meter import StepMeter
 from parallel3d.observe.metrics import MetricsLogger, start_tensorboard, start_wandb
 from parallel3d.observe.profiling import StepProfiler
-from parallel3d.parallel.expert import moe_statistics
+from parallel3d.parallel.expert import expert_metrics
 from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.progress import Progress
@@ -239,11 +239,9 @@ class TrainLoop:
         micro_batches, waited = self.batches.get(step)
         self.meter.start()
         self.guard.begin(step)
-        loss_sum, grad_norm = train_step(self.setup, micro_batches, guard=self.guard,  # the guard may skip the update
-                                         trained_tokens=self.sampler.trained_tokens(step))
-        s = self.setup  # aux_loss and expert load ({} for a dense model)
-        self.moe_stats = moe_statistics(s.parts, s.config.model, s.spec.num_micro_batches,
-                                        dist.get_world_size() if dist.is_initialized() else 1, s.dims.dp, s.device)
+        loss_sum, grad_norm, expert_loads = train_step(self.setup, micro_batches, guard=self.guard,  # may skip the update
+                                                       trained_tokens=self.sampler.trained_tokens(step))
+        self.moe_stats = expert_metrics(expert_loads, dp=self.setup.dims.dp)  # {} for a dense model
         self.meter.stepped(waited)  # measures the model state while the gradients still exist
         self.setup.optimizer.zero_grad(set_to_none=True)  # every trainable parameter, without walking the modules
         return loss_sum, grad_norm

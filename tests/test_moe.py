@@ -142,19 +142,20 @@ def test_qk_norm_normalizes_each_head():
 def test_sigmoid_router_bias_moves_towards_even_load_and_is_checkpointed(tmp_path):
     from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
     from parallel3d.config.schema import CheckpointConfig
-    from parallel3d.parallel.expert import moe_statistics, update_router_bias
+    from parallel3d.parallel.expert import expert_metrics, reduce_expert_loads, update_router_bias
 
     cfg = tiny(router="sigmoid", bias_update_rate=0.01)
     model = build(cfg)
     model(torch.randint(0, 64, (2, 8)))
     loads = {name: tokens(layer) for name, layer in moe_layers(model).items()}
-    update_router_bias([model], cfg, micro_batches=1, world_group_size=1, device=torch.device("cpu"))
+    expert_loads = reduce_expert_loads([model], cfg, micro_batches=1, world_group_size=1, device=torch.device("cpu"))
+    update_router_bias([model], cfg, expert_loads)
     for name, layer in moe_layers(model).items():  # busier than the mean: down; idler: up
         expected = 0.01 * torch.sign(loads[name].mean() - loads[name]).float()
         assert expected.abs().sum() > 0
         torch.testing.assert_close(layer.router.expert_bias, expected)
     moved = {name: layer.router.expert_bias.clone() for name, layer in moe_layers(model).items()}
-    stats = moe_statistics([model], cfg, micro_batches=1, world_group_size=1, dp=1, device=torch.device("cpu"))
+    stats = expert_metrics(expert_loads, dp=1)
     assert stats["expert_load"] == [int(v) for v in sum(loads.values()).tolist()]
     for name, layer in moe_layers(model).items():  # metrics read the loads and leave the bias alone
         assert torch.equal(layer.router.expert_bias, moved[name])
@@ -167,13 +168,14 @@ def test_sigmoid_router_bias_moves_towards_even_load_and_is_checkpointed(tmp_pat
 
 
 def test_statistics_never_move_the_router_bias():
-    from parallel3d.parallel.expert import moe_statistics
+    from parallel3d.parallel.expert import expert_metrics, reduce_expert_loads
 
     cfg = tiny(router="sigmoid", bias_update_rate=0.01)
     model = build(cfg)
     for _ in range(3):
         model(torch.randint(0, 64, (2, 8)))
-        moe_statistics([model], cfg, micro_batches=1, world_group_size=1, dp=1, device=torch.device("cpu"))
+        loads = reduce_expert_loads([model], cfg, micro_batches=1, world_group_size=1, device=torch.device("cpu"))
+        expert_metrics(loads, dp=1)
     assert all(not layer.router.expert_bias.any() for layer in moe_layers(model).values())
 
 

@@ -35,7 +35,7 @@ def test_one_step_returns_the_mean_token_loss_and_updates_the_weights():
         expected = F.cross_entropy(setup.model(inputs).flatten(0, 1), targets.flatten())  # mean over all tokens
     before = setup.model.output.weight.detach().clone()
     lr_before = setup.scheduler.get_last_lr()[0]
-    loss_sum, grad_norm = train_step(setup, batches)
+    loss_sum, grad_norm, _ = train_step(setup, batches)
     torch.testing.assert_close(loss_sum, expected, rtol=1e-5, atol=1e-6)
     assert grad_norm > 0 and setup.model.output.weight.grad is not None  # the caller zeroes them
     assert not torch.equal(before, setup.model.output.weight)
@@ -46,7 +46,7 @@ def test_activation_checkpointing_reaches_the_model_through_the_plan():
     plain, checkpointed = _setup([]), _setup(["model.activation_checkpoint=full"])
     batches = _batches(plain)
     a, b = train_step(plain, batches), train_step(checkpointed, batches)
-    torch.testing.assert_close(a, b)  # recomputation changes no number
+    torch.testing.assert_close(a[:2], b[:2])  # recomputation changes no number
     # apply_activation_checkpointing wraps each block's forward on the instance
     assert "forward" in vars(checkpointed.model.layers["0"]) and "forward" not in vars(plain.model.layers["0"])
 
@@ -56,9 +56,9 @@ def test_the_step_moves_the_sigmoid_routers_bias_by_its_load():
     bias_update_rate against the sign of (load - mean load) of the step's token copies."""
     setup = _setup(["model=tiny_moe", "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"])
     layers = moe_layers(setup.model)
-    train_step(setup, _batches(setup))
-    for layer in layers.values():
-        loads = layer.step_stats(2)[0]
+    expert_loads = train_step(setup, _batches(setup)).expert_loads  # the counters are reset by then
+    for index, layer in enumerate(layers.values()):  # the MoE blocks in order, as the loads' rows
+        loads = expert_loads.loads[index]
         expected = 0.01 * torch.sign(loads.mean() - loads).float()
         assert expected.any()
         torch.testing.assert_close(layer.router.expert_bias, expected)

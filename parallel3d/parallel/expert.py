@@ -20,6 +20,8 @@ every rank's sum.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -103,17 +105,27 @@ def configure_moe(parts: list[nn.Module], sequences: int, sequence_mesh: DeviceM
                 module.aux_grad_scale = float(cp)
 
 
-def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, micro_batches: int, world_group_size: int, dp: int,
-                   device: torch.device) -> dict:
-    """The step's ``aux_loss`` (as added to the loss: mean over the global batch, summed over MoE
-    blocks), tokens per expert summed over blocks and ranks (``expert_load``: the copies the experts
-    computed), the worst block's ``expert_load_max_over_mean`` and the copies dropped for capacity
-    (``expert_dropped``); resets the blocks' counters (the model is otherwise left alone: the
-    router's bias moves in the training step, :func:`update_router_bias`). ``micro_batches``: the
-    forwards each block ran this step. Every rank must call it (one all-reduce over the world)."""
+@dataclass(frozen=True)
+class ExpertLoads:
+    """One step's expert statistics over every rank: ``loads`` (MoE blocks x experts, token copies
+    the experts computed), ``aux`` (the balancing loss as added to each data-parallel rank's loss,
+    summed), ``dropped`` (copies dropped for capacity). Tensors: the dry run makes them fake."""
+
+    loads: torch.Tensor
+    aux: torch.Tensor
+    dropped: torch.Tensor
+
+
+def reduce_expert_loads(parts: list[nn.Module], cfg: ModelConfig, *, micro_batches: int, world_group_size: int,
+                        device: torch.device) -> ExpertLoads | None:
+    """This step's expert statistics summed over the world in one all-reduce (pipeline stages hold
+    different blocks, data ranks different tokens), and the blocks' counters reset. The metrics
+    (:func:`expert_metrics`) and the sigmoid routers' bias step (:func:`update_router_bias`) both
+    read the result. ``micro_batches``: the forwards each block ran this step. None for a dense
+    model; otherwise every rank must call it."""
     names = [str(i) for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
     if not names:
-        return {}
+        return None
     local = _local_blocks(parts, names)
     stats = torch.zeros(2 + len(names) * cfg.moe.num_experts, dtype=torch.float64)  # aux, dropped, loads
     for i, name in enumerate(names):
@@ -123,34 +135,37 @@ def moe_statistics(parts: list[nn.Module], cfg: ModelConfig, micro_batches: int,
             stats[1] += local[name].step_dropped(micro_batches)
             stats[2 + i * cfg.moe.num_experts : 2 + (i + 1) * cfg.moe.num_experts] = tokens
             local[name].reset_stats()
-    stats = _sum_over_world(stats, world_group_size, device)  # pipeline stages hold different blocks, data ranks different tokens
-    aux, loads = stats[0] / dp, stats[2:].view(len(names), cfg.moe.num_experts)
+    stats = _sum_over_world(stats, world_group_size, device)
+    return ExpertLoads(loads=stats[2:].view(len(names), cfg.moe.num_experts), aux=stats[0], dropped=stats[1])
+
+
+def expert_metrics(expert_loads: ExpertLoads | None, *, dp: int) -> dict:
+    """The step's ``aux_loss`` (as added to the loss: mean over the global batch, summed over MoE
+    blocks), tokens per expert summed over blocks (``expert_load``), the worst block's
+    ``expert_load_max_over_mean`` and the copies dropped for capacity (``expert_dropped``); {} for
+    a dense model."""
+    if expert_loads is None:
+        return {}
+    loads = expert_loads.loads
     imbalance = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-12)).max()
-    return {"aux_loss": float(aux), "expert_load": [int(v) for v in loads.sum(0).tolist()],
-            "expert_load_max_over_mean": float(imbalance), "expert_dropped": int(stats[1])}
+    return {"aux_loss": float(expert_loads.aux / dp), "expert_load": [int(v) for v in loads.sum(0).tolist()],
+            "expert_load_max_over_mean": float(imbalance), "expert_dropped": int(expert_loads.dropped)}
 
 
 @torch.no_grad()
-def update_router_bias(parts: list[nn.Module], cfg: ModelConfig, *, micro_batches: int, world_group_size: int,
-                       device: torch.device) -> None:
+def update_router_bias(parts: list[nn.Module], cfg: ModelConfig, expert_loads: ExpertLoads | None) -> None:
     """DeepSeek-V3's aux-loss-free balancing, a step of its own after the optimizer's: each sigmoid
     router's bias moves by ``bias_update_rate`` towards even load, up for the experts that computed
     fewer token copies than the block's mean this step (over all ranks), down for busier ones.
-    Nothing to do for softmax routers and dense models; otherwise every rank must call it (one
-    all-reduce over the world) before the step's counters are reset."""
-    names = [str(i) for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
-    if cfg.moe.router != "sigmoid" or not names:
+    Nothing to do for softmax routers and dense models."""
+    if cfg.moe.router != "sigmoid" or expert_loads is None:
         return
+    names = [str(i) for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
     local = _local_blocks(parts, names)
-    loads = torch.zeros(len(names), cfg.moe.num_experts, dtype=torch.float64)
-    for i, name in enumerate(names):
-        if name in local:
-            loads[i] = local[name].step_stats(micro_batches)[0]
-    loads = _sum_over_world(loads, world_group_size, device)
     for i, name in enumerate(names):
         if name in local:
             bias = local[name].router.expert_bias
-            bias += cfg.moe.bias_update_rate * torch.sign(loads[i].mean() - loads[i]).to(bias)
+            bias += cfg.moe.bias_update_rate * torch.sign(expert_loads.loads[i].mean() - expert_loads.loads[i]).to(bias)
 
 
 def _local_blocks(parts: list[nn.Module], names: list[str]) -> dict[str, MoE]:
