@@ -24,12 +24,12 @@ import math
 import torch
 from einops import rearrange
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parallel3d.base import ConfigError
 from parallel3d.config.schema import ModelConfig, RopeScaling, head_dim
 from parallel3d.models.attention import rotary_tables
 from parallel3d.models.kv_cache import BlockCache
+from parallel3d.models.partial import partial_local
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's latent norms use their own eps, not rms_norm_eps
 
@@ -100,14 +100,6 @@ def rope_dim(cfg: ModelConfig) -> int:
     return cfg.qk_rope_head_dim if cfg.attention == "mla" else head_dim(cfg)
 
 
-def replicated_local(x: torch.Tensor) -> torch.Tensor:
-    """A tensor every tp rank computed whole (a replicated DTensor) as a plain tensor for the rank's
-    heads: each rank's gradient covers its heads only, a partial sum."""
-    if not isinstance(x, DTensor):
-        return x
-    return x.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in x.placements])
-
-
 def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the channel pairs (x0, x1), (x2, x3), ... of x (b h s d) by the angles (s d/2); the
     result de-interleaved, (rotated x0, x2, ..., rotated x1, x3, ...), Hugging Face's order."""
@@ -146,7 +138,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
         kv = rearrange(self.wkv_b(self.kv_norm(latent)), "b s (h d) -> b h s d", d=self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_rope = replicated_local(k_rope).unsqueeze(1)  # (b, 1, s, rope): one RoPE key for all heads
+        k_rope = partial_local(k_rope).unsqueeze(1)  # (b, 1, s, rope): one RoPE key for all heads
         if positions is None:
             positions = self.attend.positions(q.shape[2], q.device)
         cos, sin = rotary_tables(cos, sin, q.shape[2], positions)

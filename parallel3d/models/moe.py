@@ -13,7 +13,7 @@ their expert and brings the results back.
 Token-local: under context parallelism and under tensor parallelism's sequence split, each rank
 routes the tokens of its own piece of every sequence (``sequence_group``: the cp x tp ranks that
 split a sequence). Router and experts are then replicated over tp (DTensors on the tp mesh that
-forward uses as local tensors, see ``token_local``), and their gradients are partial sums over
+forward uses as local tensors, see ``models.partial.partial_local``), and their gradients are partial sums over
 those ranks' tokens, which the data-parallel wrapper (or ``optim.settle_gradients``) adds up.
 
 Load balancing:
@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parallel3d.config.schema import ModelConfig, MoEConfig
+from parallel3d.models.partial import partial_local
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -54,15 +54,6 @@ def expert_hidden(cfg: ModelConfig) -> int:
     return cfg.moe.expert_ffn_dim or cfg.ffn_dim
 
 
-def token_local(weight: torch.Tensor) -> torch.Tensor:
-    """A weight as a plain tensor for computing on this rank's tokens. A DTensor replicated over a
-    mesh whose ranks hold different tokens (tp under sequence parallelism) gets a gradient that is
-    this rank's partial sum: marked ``Partial``, so it is summed over the mesh before use."""
-    if not isinstance(weight, DTensor):
-        return weight
-    return weight.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in weight.placements])
-
-
 class Router(nn.Module):
     def __init__(self, dim: int, moe: MoEConfig):
         super().__init__()
@@ -73,7 +64,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(n, d) tokens -> routing weights (n, k), chosen experts (n, k), scores (n, E) summing to 1."""
-        logits = F.linear(x, token_local(self.gate.weight)).float()
+        logits = F.linear(x, partial_local(self.gate.weight)).float()
         if self.moe.router == "softmax":
             scores = logits.softmax(dim=-1)
             weights, chosen = scores.topk(self.moe.top_k, dim=-1)
@@ -128,7 +119,7 @@ class GroupedExperts(nn.Module):
         """This rank's experts (all of them without expert parallelism), in the compute dtype: the
         data-parallel wrapper's cast, or this one where it leaves them alone (expert parallelism
         with no other rank holding the same experts, ``parallel.data.ExpertSharding``)."""
-        out = [token_local(w).to(dtype) for w in (self.w1, self.w2, self.w3)]
+        out = [partial_local(w).to(dtype) for w in (self.w1, self.w2, self.w3)]
         if self.grad_scale != 1.0:
             out = [ScaleGradient.apply(w, self.grad_scale) for w in out]
         return out[0], out[1], out[2]

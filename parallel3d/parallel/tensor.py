@@ -29,7 +29,7 @@ Mixture-of-experts blocks (sequence parallelism required): the router and the ro
 not split (torchtitan's ETP=1). Each tp rank routes the tokens of its own sequence shard
 (``TokenLocal``: the input stays this rank's shard, the output is this rank's shard of the
 residual), so no activation is gathered for them; their weights are replicated over tp and their
-gradients, partial sums over the shards, are summed (``models.moe.token_local``). Shared experts
+gradients, partial sums over the shards, are summed (``models.partial.partial_local``). Shared experts
 are a dense feed-forward and split as one (colwise w1/w3, rowwise w2, the sequence gathered).
 Expert parallelism may borrow the tp ranks (``parallel.expert``).
 
@@ -40,7 +40,7 @@ down-projections wq_a, wkv_a and their norms q_norm, kv_norm are replicated (``R
 tp rank computes the latents of the whole (gathered) sequence, and their gradients, partial sums
 over the ranks' heads, are summed by DTensor. They are small (rank x dim), so this costs a
 latent-sized all-reduce in backward; the shared RoPE key leaves DTensor as this rank's heads'
-partial gradient (``models.mla.replicated_local``).
+partial gradient (``models.partial.partial_local``).
 """
 
 from __future__ import annotations
