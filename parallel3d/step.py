@@ -164,7 +164,7 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard
             losses = s.pipeline.forward_backward(micro_batches, lambda *batch: rank_batch(s, *batch))
     loss_sum = torch.zeros((), device=s.device)
     for loss in losses:
-        loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
+        loss_sum += whole_loss(loss)
     # The optimizer's list is the model's trainable parameters: reading it spares walking the
     # module tree every step.
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
@@ -185,6 +185,25 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard
             precompute_float8_scales([s.model])
     s.scheduler.step()
     return StepResult(loss_sum, grad_norm, expert_loads)
+
+
+def whole_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A micro batch's loss as a plain tensor: under loss parallelism (tp) it is a replicated
+    DTensor, the same whole value on every rank."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def reduce_loss(meshes: Meshes, loss_sum: torch.Tensor) -> torch.Tensor:
+    """The loss over the global batch from each rank's ``loss_sum`` (a sum over its micro batches of
+    losses already divided by the global batch's trained tokens per data-parallel x context-parallel
+    rank): the last pipeline stage's, summed over pp (only it computed a loss), averaged over dp x cp.
+    A collective of every rank; ``loss_sum`` is left as it is."""
+    loss = loss_sum.clone()
+    if meshes.pp is not None:
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
+    if meshes.dp_cp is not None:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=meshes.dp_cp.get_group())
+    return loss
 
 
 def rank_batch(s: Setup, inputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor | None = None

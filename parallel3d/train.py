@@ -74,7 +74,7 @@ from parallel3d.runtime.rundir import (
     unwritable_run_dir,
 )
 from parallel3d.runtime.signals import Interrupted, Stopped, StopSignals, interruptible
-from parallel3d.step import Setup, build_setup, train_step
+from parallel3d.step import Setup, build_setup, reduce_loss, train_step
 from parallel3d.validate import check
 
 SWEEP_FAILURES = SweepFailures()
@@ -262,7 +262,7 @@ class TrainLoop:
                                 f"{guard.skipped_steps} skipped so far)")
         elif step % c.logging.log_every and step != c.train.steps and not self.evaluation:
             return
-        loss_value, norm_value = global_loss(self.setup.meshes, loss_sum), grad_norm.item()
+        loss_value, norm_value = reduce_loss(self.setup.meshes, loss_sum).item(), grad_norm.item()
         self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read(step),
                          "skipped": guard.skipped, "skipped_steps": guard.skipped_steps,
                          **self.sampler.tokens_consumed(step), **self.evaluation, **self.moe_stats})
@@ -304,15 +304,6 @@ class TrainLoop:
         self.batches = Prefetcher(self.sampler, to_step + 1, c.train.steps)
         return to_step
 
-
-def global_loss(meshes, loss_sum: torch.Tensor) -> float:
-    """The step's loss over the global batch: the last pipeline stage's, averaged over dp x cp."""
-    loss = loss_sum.clone()
-    if meshes.pp is not None:  # only the last stage computed a loss
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
-    if meshes.dp_cp is not None:
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=meshes.dp_cp.get_group())
-    return loss.item()
 
 
 def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool,

@@ -15,13 +15,11 @@ import math
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel3d.data import BatchSpec, StepSampler
-from parallel3d.step import Setup, rank_batch
+from parallel3d.step import Setup, rank_batch, reduce_loss, whole_loss
 
 
 class Evaluator:
@@ -41,17 +39,12 @@ class Evaluator:
         """``val_loss`` (mean token cross entropy over the eval batches) and ``val_perplexity``,
         the same on every rank. The loss is training's: a sum over a micro batch divided by the
         trained targets of a global batch per data-parallel x context-parallel rank."""
-        meshes = setup.meshes
         total = torch.zeros((), device=setup.device)
         for batch in range(1, self.batches + 1):
             setup.loss_fn.set_trained_tokens(self.sampler.trained_tokens(batch))
             total += _batch_loss(setup, self.sampler.micro_batches(batch))
         _reshard(setup.model)
-        if meshes.pp is not None:  # only the last stage computed a loss
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=meshes.pp.get_group())
-        if meshes.dp_cp is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=meshes.dp_cp.get_group())
-        val_loss = total.item() / self.batches
+        val_loss = reduce_loss(setup.meshes, total).item() / self.batches
         return {"val_loss": val_loss, "val_perplexity": math.exp(val_loss)}
 
 
@@ -64,11 +57,11 @@ def _batch_loss(s: Setup, micro_batches) -> torch.Tensor:
     with vocab_parallel():
         if s.pipeline is not None:
             for loss in s.pipeline.forward_only(micro_batches, lambda *batch: rank_batch(s, *batch)):
-                loss_sum += _local(loss)
+                loss_sum += whole_loss(loss)
             return loss_sum
         for micro_batch in micro_batches:
             inputs, targets, extra = rank_batch(s, *micro_batch)
-            loss_sum += _local(s.loss_fn(s.model(inputs, **extra), targets))
+            loss_sum += whole_loss(s.loss_fn(s.model(inputs, **extra), targets))
     return loss_sum
 
 
@@ -80,6 +73,3 @@ def _reshard(model: torch.nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.reshard()
 
-
-def _local(loss: torch.Tensor) -> torch.Tensor:
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss-parallel losses are DTensors
