@@ -25,14 +25,8 @@ from torch.distributed.checkpoint import CheckpointException
 
 from parallel3d.base import ConfigError, rank, world_size_from_env
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState, full_model_state
-from parallel3d.checkpoint.resume import (
-    check_hf_weights,
-    check_not_past_end,
-    check_tokenizer,
-    pick_checkpoint,
-    report_changes,
-    verify_init_from,
-)
+from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
+                                          report_changes, verify_init_from)
 from parallel3d.config import hf_folder
 from parallel3d.config.compose import CONF_DIR, register_configs, user_set_keys
 from parallel3d.config.hf_folder import apply_hf_folder, loaded_line
@@ -54,25 +48,12 @@ from parallel3d.parallel.float8 import precompute_float8_scales
 from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.progress import Progress
 from parallel3d.runtime import watchdog
-from parallel3d.runtime.failures import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_REQUEUE,
-    SweepFailures,
-    ensure_rank_log,
-    report_failure,
-    warnings_to_log,
-)
+from parallel3d.runtime.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, ensure_rank_log,
+                                         report_failure, warnings_to_log)
 from parallel3d.runtime.guard import BadStepGuard, TrainingDiverged
 from parallel3d.runtime.process_group import init_distributed, report_hangs_in
-from parallel3d.runtime.rundir import (
-    agree_on_run_dir,
-    output_dir_is_run_dir,
-    own_run_dir,
-    register_rank0_dir,
-    release_run_dir,
-    unwritable_run_dir,
-)
+from parallel3d.runtime.rundir import (agree_on_run_dir, output_dir_is_run_dir, own_run_dir, register_rank0_dir,
+                                       release_run_dir, unwritable_run_dir)
 from parallel3d.runtime.signals import Interrupted, Stopped, StopSignals, interruptible
 from parallel3d.step import Setup, build_setup, reduce_loss, train_step
 from parallel3d.validate import check

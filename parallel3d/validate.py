@@ -29,13 +29,8 @@ from parallel3d.parallel.activation import AC_MODES
 from parallel3d.parallel.expert import check_experts
 from parallel3d.parallel.float8 import check_float8
 from parallel3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from parallel3d.parallel.pipeline import (
-    fits_rounds,
-    fixed_stages_per_rank,
-    layer_split,
-    min_microbatches,
-    stages_per_rank,
-)
+from parallel3d.parallel.pipeline import (fits_rounds, fixed_stages_per_rank, layer_split, min_microbatches,
+                                          stages_per_rank)
 from parallel3d.runtime.guard import check_bad_step_config
 
 # Re-exported: callers written before parallel3d.base import these names from here.

@@ -14,17 +14,8 @@ import pytest
 import torch
 
 from parallel3d.config.compose import PROJECT_ROOT
-from parallel3d.data import (
-    BatchSpec,
-    ByteTokenizer,
-    HFTokenizer,
-    StepSampler,
-    TokenFile,
-    load_tokenizer,
-    stdlib_token_file,
-    text_files,
-    write_token_file,
-)
+from parallel3d.data import (BatchSpec, ByteTokenizer, HFTokenizer, StepSampler, TokenFile, load_tokenizer,
+                             stdlib_token_file, text_files, write_token_file)
 
 DOCS = ["hello world", "grüße, 世界 — ∑ x²", "", "def f(x):\n    return x + 1\n"]
 

@@ -10,15 +10,8 @@ import pytest
 import torch.distributed as dist
 
 import parallel3d.checkpoint.manifest as manifest_module
-from parallel3d.checkpoint.manifest import (
-    MANIFEST,
-    ManifestMissing,
-    file_entries,
-    hash_of,
-    read_manifest,
-    verify_manifest,
-    write_manifest,
-)
+from parallel3d.checkpoint.manifest import (MANIFEST, ManifestMissing, file_entries, hash_of, read_manifest,
+                                            verify_manifest, write_manifest)
 
 
 def folder_with_manifest(tmp_path):

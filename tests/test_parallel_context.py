@@ -16,12 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import layouts, prefetch_selected
 
-from parallel3d.parallel.context import (
-    ContextParallelAttention,
-    local_attention,
-    shard_positions,
-    shard_sequence,
-)
+from parallel3d.parallel.context import ContextParallelAttention, local_attention, shard_positions, shard_sequence
 
 
 def test_head_tail_shards_cover_the_sequence_once_and_balance_causal_work():

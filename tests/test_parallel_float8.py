@@ -115,11 +115,8 @@ def fake_world():
 
 
 def test_tensorwise_layers_get_float8_tensor_parallel_styles(fake_world):
-    from torchao.float8.float8_tensor_parallel import (
-        Float8ColwiseParallel,
-        Float8RowwiseParallel,
-        PrepareFloat8ModuleInput,
-    )
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                       PrepareFloat8ModuleInput)
 
     model, train = meta_model([*FLOAT8, "model.ffn_dim=200"])  # feed_forward stays bf16
     apply_float8(model, cpu_plan(train))

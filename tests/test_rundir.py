@@ -13,17 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import FAST, env
 
-from parallel3d.runtime.rundir import (
-    RunDirError,
-    RunLock,
-    agree_on_run_dir,
-    given_run_dir,
-    move_earlier_run_aside,
-    own_run_dir,
-    release_run_dir,
-    run_dir_override,
-    unwritable_run_dir,
-)
+from parallel3d.runtime.rundir import (RunDirError, RunLock, agree_on_run_dir, given_run_dir, move_earlier_run_aside,
+                                       own_run_dir, release_run_dir, run_dir_override, unwritable_run_dir)
 
 
 def test_run_dir_parse_is_shared_by_the_launchers(tmp_path):

@@ -24,14 +24,8 @@ from parallel3d.config.schema import ModelConfig, RopeScaling, head_dim
 from parallel3d.models.attention import rotary_tables, sdpa
 from parallel3d.models.kv_cache import BlockCache, KVCache
 from parallel3d.models.lora import adapter_std, is_adapter
-from parallel3d.models.mla import (
-    MultiHeadLatentAttention,
-    mla_attention_flops,
-    mla_params,
-    rope_attention_factor,
-    rope_dim,
-    yarn_frequencies,
-)
+from parallel3d.models.mla import (MultiHeadLatentAttention, mla_attention_flops, mla_params, rope_attention_factor,
+                                   rope_dim, yarn_frequencies)
 from parallel3d.models.moe import MoE, active_ffn_params, expert_hidden, is_moe_layer
 
 

@@ -129,11 +129,8 @@ def float8_block_plan(block: nn.Module, plan: dict) -> dict:
     bytes of bf16), and its output gradient before the reduce-scatter. A module input is cast once
     for all its consumers (PrepareFloat8ModuleInput) only when every linear reading it is float8."""
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-    from torchao.float8.float8_tensor_parallel import (
-        Float8ColwiseParallel,
-        Float8RowwiseParallel,
-        PrepareFloat8ModuleInput,
-    )
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                       PrepareFloat8ModuleInput)
 
     def float8_tensorwise(fqn: str) -> bool:
         module = block.get_submodule(fqn)

@@ -28,15 +28,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining.schedules import (PipelineScheduleSingle, Schedule1F1B, ScheduleDualPipeV,
+                                                    ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor
 
 from parallel3d.config.schema import ModelConfig

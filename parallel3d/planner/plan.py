@@ -7,14 +7,8 @@ from typing import Optional
 
 from parallel3d.base import GIB
 from parallel3d.models import flops_per_token
-from parallel3d.planner.activations import (
-    Geometry,
-    block_bytes,
-    checkpointed,
-    receive_buffer_bytes,
-    ring_scores_bytes,
-    stage_activation_bytes,
-)
+from parallel3d.planner.activations import (Geometry, block_bytes, checkpointed, receive_buffer_bytes,
+                                            ring_scores_bytes, stage_activation_bytes)
 from parallel3d.planner.comm import stage_traffic
 from parallel3d.planner.layout import Layout, ModelShape, rank_stages
 from parallel3d.planner.memory import ModelState, stage_model_state, transient_bytes, unsharded_gradient_bytes
