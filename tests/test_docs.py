@@ -245,3 +245,19 @@ def test_readme_layout_names_every_module_and_subpackage():
     modules = {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
     subpackages = {p.parent.name for p in package.glob("*/__init__.py")}
     assert (modules | subpackages) - named == set()
+
+
+def test_architecture_md_names_every_module_on_its_floor():
+    """docs/architecture.md's module table names every module of every wing, and its floors are the
+    order tests/test_structure.py holds the imports to."""
+    from test_structure import WINGS
+
+    page = (DOCS / "architecture.md").read_text()
+    package = ROOT / "parallel3d"
+    rows = dict(re.findall(r"^\| `parallel3d/(\w+(?:\.py|/))` \| (.*) \|$", page, flags=re.M))
+    missing = [f"{wing}{p.name}" for wing, cells in rows.items() if wing.endswith("/")
+               for p in (package / wing).glob("*.py") if p.name != "__init__.py" and f"`{p.name}`" not in cells]
+    wings = {p.parent.name + "/" for p in package.glob("*/__init__.py")} | {p.name for p in package.glob("*.py")}
+    assert missing == [] and wings - {"__init__.py"} - set(rows) == set()
+    floors = re.findall(r"^ *\d+ +(\w+)(?:\.py|/) ", page, flags=re.M)
+    assert floors[::-1] == list(WINGS)

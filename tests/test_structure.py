@@ -1,6 +1,8 @@
 """The package's shape, read from its source with ``ast``: no import cycles between modules (any
-import, those inside functions included), no function over 60 lines, and no library module that
-imports the entry points (``parallel3d.train``, ``parallel3d.launch``, ``parallel3d.cli``) above it."""
+import, those inside functions included), the wings (folders by job, and the few root modules)
+importing only downwards in the order docs/architecture.md gives, a package root of at most eight
+modules, no ``name_suffix.py`` family beside ``name.py`` (a family is a folder), and no function
+over 60 lines."""
 
 from __future__ import annotations
 
@@ -11,7 +13,12 @@ import parallel3d
 
 PACKAGE = Path(parallel3d.__file__).resolve().parent
 MAX_FUNCTION_LINES = 60
+MAX_ROOT_MODULES = 8
 ENTRY_POINTS = ("parallel3d.train", "parallel3d.launch", "parallel3d.cli")
+# The floors, ground first (docs/architecture.md): a wing imports only wings below it. A root
+# module is a wing of its own.
+WINGS = ("base", "progress", "data", "config", "models", "optim", "parallel", "hf", "checkpoint", "runtime",
+         "step", "observe", "validate", "planner", "inference", "ft", "launch", "cli", "train")
 
 
 def _modules() -> dict[str, Path]:
@@ -108,3 +115,45 @@ def test_no_function_over_60_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+def wing_of(module: str) -> str:
+    """``parallel3d.checkpoint.resume`` -> ``checkpoint``; a root module is its own wing."""
+    return module.split(".")[1] if "." in module else module
+
+
+def wing_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        if module == "parallel3d":
+            continue
+        graph.setdefault(wing_of(module), set()).update(
+            wing_of(t) for t in targets if t != "parallel3d" and wing_of(t) != wing_of(module))
+    return graph
+
+
+def test_every_wing_has_a_floor():
+    assert set(wing_graph()) - set(WINGS) == set(), "add the new wing to WINGS and docs/architecture.md"
+
+
+def test_wings_import_only_downwards():
+    floor = {wing: i for i, wing in enumerate(WINGS)}
+    upward = [f"{wing} imports {target}" for wing, targets in wing_graph().items() for target in targets
+              if floor.get(target, -1) > floor.get(wing, len(WINGS))]
+    assert upward == []
+
+
+def test_the_package_root_keeps_at_most_eight_modules():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+
+
+def test_no_module_family_lies_beside_its_name():
+    """``checkpoint.py`` beside ``checkpoint_checks.py``: the family belongs in a folder."""
+    families = []
+    for folder in [PACKAGE, *(p.parent for p in PACKAGE.glob("*/__init__.py"))]:
+        names = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+        families += [f"{folder.name}/{other}.py beside {name}" for name in names for other in names
+                     if other.startswith(name + "_")]
+    assert families == []
+
