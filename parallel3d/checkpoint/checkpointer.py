@@ -329,7 +329,7 @@ class Checkpointer:
         """Initial weights only, from one of our checkpoints or a Hugging Face Llama folder."""
         if hf_folder.is_hf_dir(path):
             hf_folder.check_agrees(path, model_cfg)
-            targets, copies = _model_targets(state, lambda name, param: families.hf_tensors(name, param, model_cfg))
+            targets, copies = _model_targets(state, lambda name, param: families.base_hf_tensors(name, param, model_cfg))
             if families.exported_buffers(model_cfg):
                 targets |= {key: t for name, buf in state.persistent_buffers().items()
                             for key, t in families.hf_tensors(name, buf, model_cfg).items()}

@@ -23,6 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from parallel3d.config.schema import ModelConfig, head_dim
 from parallel3d.hf import deepseek
+from parallel3d.models.lora import is_adapter
 
 _BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -82,6 +83,12 @@ def hf_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, t
     fam = family(cfg)
     prefix, weight = f"model.layers.{index}.{_MOE_PREFIX[fam]}experts", _EXPERT_NAMES[fam][rest.rsplit(".", 1)[1]]
     return {f"{prefix}.{first + e}.{weight}.weight": tensor[e] for e in range(tensor.shape[0])}
+
+
+def base_hf_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``hf_tensors`` for a weight a Hugging Face folder holds; nothing for a LoRA adapter, which no
+    base model has: it keeps the initialisation every LoRA run starts from (A drawn, B zero)."""
+    return {} if is_adapter(name) else hf_tensors(name, tensor, cfg)
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
