@@ -27,6 +27,7 @@ from parallel3d.models.lora import adapter_std, is_adapter
 from parallel3d.models.mla import (MultiHeadLatentAttention, mla_attention_flops, mla_params, rope_attention_factor,
                                    rope_dim, yarn_frequencies)
 from parallel3d.models.moe import MoE, active_ffn_params, expert_hidden, is_moe_layer
+from parallel3d.models.partial import partial_local
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -89,11 +90,18 @@ class Attention(nn.Module):
             positions = self.attend.positions(q.shape[2], q.device)
         cos, sin = rotary_tables(cos, sin, q.shape[2], positions)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = head_norm(q, self.q_norm), head_norm(k, self.k_norm)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.extend(k, v)
         return self.wo(rearrange(self.attend(q, k, v, doc_ids), "b h s d -> b s (h d)"))
+
+
+def head_norm(x: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
+    """Qwen3's RMSNorm of each head of x (b h s d), as ``norm(x)``. Under tensor parallelism a rank
+    holds some of the heads and the weight, replicated over tp, is used as a plain tensor: its
+    gradient from this rank's heads is a partial sum, which DTensor sums over tp."""
+    return F.rms_norm(x, norm.normalized_shape, partial_local(norm.weight), norm.eps)
 
 
 class LocalAttention:

@@ -203,9 +203,6 @@ def _check_groups(moe, n_layers: int) -> None:
 def check_experts(m, p) -> None:
     """model.moe.* and parallel.ep (parallel3d/models/moe.py, parallel3d/parallel/expert.py)."""
     moe = m.moe
-    if m.qk_norm and p.tp > 1:
-        raise ConfigError("parallel.tp", p.tp, "model.qk_norm is not tensor-parallel yet (its weights would "
-                          "need the gradients of every tp rank's heads)", "use parallel.tp=1 with qk_norm")
     if moe.num_experts < 0 or moe.every < 1 or moe.shared_experts < 0 or moe.expert_ffn_dim < 0:
         raise ConfigError("model.moe", dict(moe), "num_experts, shared_experts, expert_ffn_dim must be >= 0 "
                           "and every >= 1", "fix the negative or zero value")

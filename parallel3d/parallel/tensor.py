@@ -33,6 +33,10 @@ gradients, partial sums over the shards, are summed (``models.partial.partial_lo
 are a dense feed-forward and split as one (colwise w1/w3, rowwise w2, the sequence gathered).
 Expert parallelism may borrow the tp ranks (``parallel.expert``).
 
+Qwen3's per-head q/k norms (``model.qk_norm``) are replicated over tp (``Replicated``): each rank
+normalizes its own heads with the whole head_dim-sized weight, whose gradient from this rank's heads
+is a partial sum that DTensor sums over tp (``models.llama.head_norm``).
+
 Multi-head latent attention (``model.attention=mla``, models/mla.py): the up-projections wq (or
 wq_b) and wkv_b are column-parallel (each rank computes its heads' queries, keys and values; a
 head's channels are contiguous rows) and wo row-parallel, as for grouped-query attention. The
@@ -246,7 +250,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             output_layouts=residual_layout(sequence_parallel), desired_output_layouts=Replicate(),
             use_local_output=False))
     splits = block_splits(model.cfg.attention, model.cfg.q_lora_rank)
+    head_norms = {"attention.q_norm": Replicated(), "attention.k_norm": Replicated()} if model.cfg.qk_norm else {}
     for block in model.layers.values():
         moe = block.feed_forward if isinstance(block.feed_forward, MoE) else None
-        plan = block_plan(sequence_parallel, moe, splits)
+        plan = block_plan(sequence_parallel, moe, splits) | head_norms
         parallelize_module(block, tp_mesh, float8_block_plan(block, plan) if float8 else plan)
