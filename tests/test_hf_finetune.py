@@ -1,0 +1,88 @@
+"""Fine-tuning straight from Hugging Face folders, as a user starts it: ``checkpoint.init_from=HF_DIR``
+and chat records, nothing else about the model. LoRA from a Llama-3-style folder (its own tokenizer,
+chat template, BOS and ``<|eot_id|>``) and from a Qwen3-MoE folder, and full fine-tuning of Qwen3
+and Qwen3-MoE under tensor parallelism (their per-head q/k norms replicated over tp): every layout
+equals one process (losses, grad norms, final weights and adapters within 1e-5).
+
+All runs train in three launches: the one-process references together, the 4-rank layouts in
+batches of 8 (conftest ``Parity.prefetch``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from chat_files import chat_records, llama_folder, write_jsonl
+from conftest import assert_matches, layouts, selected_params
+from hf_files import tiny_qwen3
+
+# optim.eps=1e-5 (conftest's FAST has 1e-6): B starts at zero, so A's first gradient comes at step 2,
+# proportional to a B that has moved by about lr, and AdamW's first update is near lr * sign(g) for
+# every element with |g| well above eps. An element whose gradient nearly cancels (here 6e-7 among
+# typical 3e-4, one of Qwen3-MoE's k_proj A) then moves by up to lr in a direction float32 round-off
+# picks: 8.5e-5 apart between layouts whose losses agreed to 1e-6. With eps=1e-5 an element's update
+# changes by at most lr / eps times its gradient's round-off, far below 1e-5.
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.eps=1e-5"]
+LAYOUTS = layouts({
+    "dp2_tp2": (4, ["parallel.dp_shard=2", "parallel.tp=2"]),
+    "dp2_pp2": (4, ["parallel.dp_shard=2", "parallel.pp=2"]),
+    "dp2_cp2": (4, ["parallel.dp_shard=2", "parallel.cp=2"]),
+    "zero3": (4, ["parallel.dp_shard=4", "parallel.zero_stage=3"]),
+})
+# (folder, LoRA or a full fine-tune, layout): run name -> its layout.
+LORA_RUNS = {f"{folder}-lora-{layout.name}": (folder, True, layout) for folder in ("llama3", "qwen3_moe")
+             for layout in LAYOUTS}
+TP_RUNS = {f"{folder}-full-dp2_tp2": (folder, False, LAYOUTS[0]) for folder in ("qwen3", "qwen3_moe")}
+ONE_PROCESS = ["train.micro_batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def folders(runs_root):
+    root = runs_root / "hf_finetune"
+    found = {"llama3": llama_folder(root / "llama3"), "qwen3": tiny_qwen3(root / "qwen3"),
+             "qwen3_moe": tiny_qwen3(root / "qwen3_moe", moe=True, seed=1)}
+    return found | {"chats": write_jsonl(root / "chats.jsonl", chat_records(200)), "cache": root / "cache"}
+
+
+def overrides(folders, folder: str, lora: bool) -> list[str]:
+    return [f"checkpoint.init_from={folders[folder]}", "data.format=chat", f"data.sources=[{folders['chats']}]",
+            f"data.cache_dir={folders['cache']}", *(LORA if lora else [])]
+
+
+def reference_name(folder: str, lora: bool) -> str:
+    return f"{folder}-{'lora' if lora else 'full'}-one"
+
+
+@pytest.fixture(scope="module")
+def trained(request, parity, folders):
+    """Every selected run and the one-process runs they are compared with, in one launch per rank count."""
+    wanted = {name: spec for name, spec in (LORA_RUNS | TP_RUNS).items() if name in selected_params(request, "name")}
+    runs = {name: (layout.nproc, [*overrides(folders, folder, lora), *layout.overrides])
+            for name, (folder, lora, layout) in wanted.items()}
+    runs |= {reference_name(folder, lora): (1, [*overrides(folders, folder, lora), *ONE_PROCESS])
+             for folder, lora, _ in wanted.values()}
+    parity.prefetch(runs)
+    return lambda name, nproc, args: parity.run(name, nproc, args)
+
+
+def check_layout(trained, folders, name: str, spec) -> None:
+    folder, lora, layout = spec
+    reference = trained(reference_name(folder, lora), 1, [*overrides(folders, folder, lora), *ONE_PROCESS])
+    run = trained(name, layout.nproc, [*overrides(folders, folder, lora), *layout.overrides])
+    assert_matches(reference, run, rel=1e-5, weights=True)
+    if lora:  # adapters trained and exported; the base folder's weights, merged, came back
+        config = json.loads((run.run_dir / "hf_adapter" / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(folders[folder])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", LORA_RUNS)
+def test_lora_from_a_folder_equals_one_process(trained, folders, name):
+    check_layout(trained, folders, name, LORA_RUNS[name])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", TP_RUNS)
+def test_qwen3_under_tensor_parallelism_equals_one_process(trained, folders, name):
+    """Full fine-tuning: the q/k norms train, their gradients summed over the tp ranks' heads."""
+    check_layout(trained, folders, name, TP_RUNS[name])
