@@ -65,7 +65,6 @@ def test_expert_parallel_layout_trains_like_one_process(parity, moe_reference, l
     ([*MOE, "parallel.ep=4", "parallel.tp=2", "parallel.dp_shard=1"], 2, "parallel.ep"),  # ep > dp_shard x cp x tp
     ([*MOE, "model.moe.top_k=9"], 1, "model.moe.top_k"),
     ([*MOE, "model.moe.router=topk"], 1, "model.moe.router"),
-    (["model.qk_norm=true", "parallel.tp=2"], 2, "parallel.tp"),
     ([*MOE, "model.moe.capacity_factor=-1"], 1, "model.moe.capacity_factor"),
 ])
 def test_validation_names_the_key(overrides, world, key):
