@@ -36,10 +36,10 @@ from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, 
 from parallel3d.data.checks import check_corpus, check_heldout
 from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.hf.export import save_run_model
-from parallel3d.hf.lora import merged_state, split_adapters, write_adapter
+from parallel3d.hf.lora import merged_state, save_run_adapter, split_adapters
 from parallel3d.inference.evaluate import Evaluator
 from parallel3d.models import Transformer, num_params
-from parallel3d.models.lora import apply_lora
+from parallel3d.models.lora import apply_lora, describe_targets
 from parallel3d.observe.meter import StepMeter
 from parallel3d.observe.metrics import MetricsLogger, start_tensorboard, start_wandb
 from parallel3d.observe.profiling import StepProfiler
@@ -111,7 +111,8 @@ def train(cfg: DictConfig) -> Path:
     if c.train.save_model:
         state = full_model_state(setup.parts, setup.meshes.pp)  # a collective: every rank
         if is_rank0 and c.model.lora.rank:  # the adapters in PEFT's format, and merged into the weights
-            write_adapter(run_dir / "hf_adapter", split_adapters(state)[1], c.model, c.checkpoint.init_from or None)
+            print(save_run_adapter(run_dir, split_adapters(state)[1], c.model, c.checkpoint.init_from or None),
+                  flush=True)
             state = merged_state(state, c.model.lora)
         if is_rank0:
             print(save_run_model(run_dir, state, model_cfg=c.model, tokenizer=c.data.tokenizer,
@@ -140,7 +141,7 @@ def lora_line(m) -> str:
     apply_lora(model, m.lora)
     trainable, total = (sum(p.numel() for p in model.parameters() if p.requires_grad or not only)
                         for only in (True, False))
-    return (f"parallel3d: LoRA rank {m.lora.rank} alpha {m.lora.alpha:g} on {' '.join(m.lora.targets)}: "
+    return (f"parallel3d: LoRA rank {m.lora.rank} alpha {m.lora.alpha:g} on {describe_targets(m)}: "
             f"{trainable / 1e6:.2f}M trainable parameters ({100 * trainable / total:.2f}% of {total / 1e6:.2f}M), "
             f"the rest frozen")
 

@@ -20,6 +20,7 @@ from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device
 from parallel3d.checkpoint.checks import check_checkpoint, run_dir_of
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
+from parallel3d.hf.lora import check_adapter_export
 from parallel3d.models.lora import check_lora
 from parallel3d.models.mla import check_attention
 from parallel3d.optim.adamw import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
@@ -75,6 +76,7 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
     check_experts(cfg.model, cfg.parallel)
     check_lora(cfg)
+    check_adapter_export(cfg)
     _check_data_parallel(cfg.parallel, cfg.train, device)
     check_float8(cfg.train, cfg.parallel)
     _check_batch(cfg.train, cfg.parallel, cfg.model)

@@ -58,5 +58,25 @@ def tiny_qwen3(folder: Path, *, moe: bool = False, seed: int = 0, eos: str = "<|
     return folder
 
 
+def tiny_deepseek_v3(folder: Path, *, seed: int = 0, **overrides) -> Path:
+    """A random tiny DeepSeek-V3 folder (multi-head latent attention with low-rank queries, a dense first
+    block, then routed and shared experts) with the tokenizer of ``tiny_tokenizer``."""
+    import transformers
+
+    tiny_tokenizer(folder)
+    vocab = transformers.AutoTokenizer.from_pretrained(folder)
+    config = transformers.DeepseekV3Config(**{
+        "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16,
+        "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+        "first_k_dense_replace": 1, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "initializer_range": 0.2, "eos_token_id": vocab.eos_token_id,
+        "pad_token_id": vocab.pad_token_id, **overrides})
+    torch.manual_seed(seed)
+    transformers.DeepseekV3ForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
 def token_batch(vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(seed))

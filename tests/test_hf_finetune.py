@@ -1,6 +1,6 @@
 """Fine-tuning straight from Hugging Face folders, as a user starts it: ``checkpoint.init_from=HF_DIR``
 and chat records, nothing else about the model. LoRA from a Llama-3-style folder (its own tokenizer,
-chat template, BOS and ``<|eot_id|>``) and from a Qwen3-MoE folder, and full fine-tuning of Qwen3
+chat template, BOS and ``<|eot_id|>``), from a Qwen3-MoE folder and from a DeepSeek-V3 folder, and full fine-tuning of Qwen3
 and Qwen3-MoE under tensor parallelism (their per-head q/k norms replicated over tp): every layout
 equals one process (losses, grad norms, final weights and adapters within 1e-5).
 
@@ -14,7 +14,7 @@ import json
 import pytest
 from chat_files import chat_records, llama_folder, write_jsonl
 from conftest import assert_matches, layouts, selected_params
-from hf_files import tiny_qwen3
+from hf_files import tiny_deepseek_v3, tiny_qwen3
 
 # optim.eps=1e-5 (conftest's FAST has 1e-6): B starts at zero, so A's first gradient comes at step 2,
 # proportional to a B that has moved by about lr, and AdamW's first update is near lr * sign(g) for
@@ -32,6 +32,8 @@ LAYOUTS = layouts({
 # (folder, LoRA or a full fine-tune, layout): run name -> its layout.
 LORA_RUNS = {f"{folder}-lora-{layout.name}": (folder, True, layout) for folder in ("llama3", "qwen3_moe")
              for layout in LAYOUTS}
+# Multi-head latent attention's projections take adapters too (wq_a and wkv_a replicated over tp).
+LORA_RUNS["deepseek_v3-lora-dp2_tp2"] = ("deepseek_v3", True, LAYOUTS[0])
 TP_RUNS = {f"{folder}-full-dp2_tp2": (folder, False, LAYOUTS[0]) for folder in ("qwen3", "qwen3_moe")}
 ONE_PROCESS = ["train.micro_batch_size=16"]
 
@@ -40,7 +42,8 @@ ONE_PROCESS = ["train.micro_batch_size=16"]
 def folders(runs_root):
     root = runs_root / "hf_finetune"
     found = {"llama3": llama_folder(root / "llama3"), "qwen3": tiny_qwen3(root / "qwen3"),
-             "qwen3_moe": tiny_qwen3(root / "qwen3_moe", moe=True, seed=1)}
+             "qwen3_moe": tiny_qwen3(root / "qwen3_moe", moe=True, seed=1),
+             "deepseek_v3": tiny_deepseek_v3(root / "deepseek_v3")}
     return found | {"chats": write_jsonl(root / "chats.jsonl", chat_records(200)), "cache": root / "cache"}
 
 

@@ -156,3 +156,110 @@ def _assert_peft_logits(state, cfg, adapter_dir, tmp_path) -> None:
         base_logits = AutoModelForCausalLM.from_pretrained(base_dir).eval()(tokens).logits
         torch.testing.assert_close(peft_model(tokens).logits, merged(tokens).logits, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(base_logits, merged(tokens).logits, atol=1e-3)  # the adapters do something
+
+
+# -- What is adapted, said and exported exactly (in-process, no training) ----------------------------
+
+def tiny(**changes) -> ModelConfig:
+    """A tiny model (wide init: decisive MoE routing in both implementations) with LoRA on every target."""
+    from parallel3d.config.schema import MoEConfig
+
+    moe = changes.pop("moe", None)
+    changes = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, init_std=0.2,
+                   lora=LoRAConfig(rank=4, alpha=8.0)) | changes
+    return ModelConfig(moe=MoEConfig(**moe) if moe else MoEConfig(), **changes)
+
+
+MLA = dict(attention="mla", n_kv_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+DEEPSEEK_MOE = dict(num_experts=4, top_k=2, expert_ffn_dim=32, shared_experts=1, router="sigmoid",
+                    first_dense_layers=1)
+PEFT_MODELS = {  # our model: the projections LoRA adapts there (default targets)
+    "llama": (tiny(), "wq wk wv wo w1 w2 w3"),
+    "qwen3_moe": (tiny(qk_norm=True, moe=dict(num_experts=4, top_k=2, expert_ffn_dim=32)),
+                  "wq wk wv wo (routed experts take no adapters)"),
+    "qwen3_moe_dense_blocks": (tiny(qk_norm=True, moe=dict(num_experts=4, top_k=2, expert_ffn_dim=32, every=2)),
+                               "wq wk wv wo w1 w2 w3"),
+    "deepseek_v3": (tiny(q_lora_rank=24, moe=DEEPSEEK_MOE, **MLA), "wq_a wq_b wkv_a wkv_b wo w1 w2 w3"),
+    "deepseek_v3_no_q_lora": (tiny(moe=DEEPSEEK_MOE, **MLA), "wq wkv_a wkv_b wo w1 w2 w3"),
+}
+
+
+def lora_model(cfg: ModelConfig):
+    """Our model with adapters, B made non-zero (as after training)."""
+    from parallel3d.models import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    apply_lora(model, cfg.lora)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", PEFT_MODELS)
+def test_peft_loads_exactly_the_adapted_projections(name, tmp_path):
+    """The console line names exactly the adapted projections; adapter_config.json's targets make
+    PEFT attach adapters to exactly those modules (not to routed experts: PEFT renames feed-forward
+    names to the fused experts of transformers 5's MoE models), with our model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from parallel3d.hf.export import save_state_dict
+    from parallel3d.hf.lora import split_adapters, write_adapter
+    from parallel3d.models.lora import describe_targets, target_linears
+
+    cfg, said = PEFT_MODELS[name]
+    model = lora_model(cfg)
+    assert describe_targets(cfg) == said
+    assert {module.rsplit(".", 1)[1] for module, _ in target_linears(model, cfg.lora.targets)} == set(
+        said.split(" (")[0].split())
+    base, adapters = split_adapters(model.state_dict())
+    save_state_dict(tmp_path / "base", base, cfg=cfg, tokenizer=None)
+    write_adapter(tmp_path / "adapter", adapters, cfg, str(tmp_path / "base"))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                           tmp_path / "adapter").eval()
+    attached = {n.removeprefix("base_model.model.").removesuffix(".lora_A") for n, _ in peft_model.named_modules()
+                if n.endswith(".lora_A")}
+    ours = {families.to_hf(n.removesuffix(".lora_a") + ".weight", cfg).removesuffix(".weight")
+            for n in adapters if n.endswith("lora_a")}
+    assert attached == ours
+    batch = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(batch).logits, model(batch), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["model=tiny_moe", "model.lora.targets=[w1,w2,w3]"], "routed experts"),
+    (["model.lora.targets=[wkv_a,wkv_b]"], "names no projection of this model"),
+])
+def test_targets_that_adapt_nothing_are_refused(overrides, problem):
+    with pytest.raises(ConfigError, match=rf"^model\.lora\.targets=.*{problem}.*Fix: name some of wq wk wv wo"):
+        check(compose([*LORA, *overrides]), 1)
+
+
+def test_dropout_on_peft_parameters_is_refused_with_save_model():
+    overrides = [*LORA, "model=tiny_mla", "model.lora.dropout=0.1", "train.save_model=true"]
+    with pytest.raises(ConfigError, match=r"^model\.lora\.dropout=0\.1: PEFT adapts w1 w2 w3 of a deepseek_v3"):
+        check(compose(overrides), 1)
+    check(compose([*overrides, "model.lora.targets=[wq_a,wq_b,wkv_a,wkv_b,wo]"]), 1)
+
+
+def test_adapter_a_starts_as_peft_default():
+    """A is uniform in +-1/sqrt(in) as PEFT's default (Kaiming-uniform, a=sqrt(5)) draws it: our draw
+    and PEFT's have the same bound and the same distribution; B starts at zero."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = tiny(dim=512, n_layers=1, lora=LoRAConfig(rank=16, targets=["wq"]))
+    a = dict(lora_model(cfg).named_parameters())["layers.0.attention.wq.lora_a"].detach().flatten()
+    torch.manual_seed(0)
+    theirs = get_peft_model(torch.nn.Sequential(torch.nn.Linear(512, 512)), LoraConfig(r=16, target_modules=["0"]))
+    b = theirs.base_model.model[0].lora_A["default"].weight.detach().flatten()
+    bound = 1 / 512 ** 0.5
+    assert a.abs().max() <= bound and b.abs().max() <= bound  # a normal draw of the same std would exceed it
+    assert a.abs().max() > 0.99 * bound
+    quantiles = torch.linspace(0.01, 0.99, 99)
+    assert (a.quantile(quantiles) - b.quantile(quantiles)).abs().max() < 0.05 * bound

@@ -58,9 +58,11 @@ class LoRAConfig:
     rank: int = 0  # 0: off (every parameter trains)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapter's input (training only)
-    # Projections that get adapters: wq wk wv wo (attention), w1 w2 w3 (SwiGLU, shared experts
-    # included), or Hugging Face's q_proj k_proj v_proj o_proj gate_proj down_proj up_proj.
-    targets: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"])
+    # Projections that get adapters where the model has them: wq wk wv wo (attention), wq_a wq_b wkv_a
+    # wkv_b (multi-head latent attention), w1 w2 w3 (SwiGLU, shared experts included), or Hugging
+    # Face's names for them (q_proj ... kv_b_proj, gate_proj down_proj up_proj).
+    targets: list[str] = field(default_factory=lambda: ["wq", "wq_a", "wq_b", "wk", "wv", "wkv_a", "wkv_b", "wo",
+                                                        "w1", "w2", "w3"])
 
 
 @dataclass

@@ -43,6 +43,7 @@ _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "mo
 _EXPERT_NAMES = {"qwen3_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
                  "mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"}, deepseek.FAMILY: deepseek.EXPERT_NAMES}
 _MOE_PREFIX = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", deepseek.FAMILY: deepseek.MOE_PREFIX}
+MOE_FAMILIES = tuple(_MOE_PREFIX)  # their folders may hold routed experts (DeepSeek-V3's also dense blocks only)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "mixtral": "MixtralForCausalLM", deepseek.FAMILY: deepseek.ARCHITECTURE}
 

@@ -7,7 +7,8 @@ them from a checkpoint and ``train.save_model`` gathers them:
   so the exported model is an ordinary one;
 * ``write_adapter``: ``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT writes them
   (keys ``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``), which
-  ``peft.PeftModel.from_pretrained(base_model, DIR)`` loads onto the base model.
+  ``peft.PeftModel.from_pretrained(base_model, DIR)`` loads onto the base model: its targets
+  resolve to exactly the adapted projections (``peft_targets``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from parallel3d.base import ConfigError
 from parallel3d.config.schema import LoRAConfig, ModelConfig
 from parallel3d.hf import families
-from parallel3d.models.lora import HF_TARGETS, A, B, canonical_targets, is_adapter
+from parallel3d.models.lora import FFN_TARGETS, A, B, adapted_targets, is_adapter
 
-CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+CONFIG, WEIGHTS, ADAPTER_DIR = "adapter_config.json", "adapter_model.safetensors", "hf_adapter"
 
 
 def adapter_names(weight: str) -> tuple[str, str]:
@@ -72,9 +74,57 @@ def peft_key(name: str, cfg: ModelConfig) -> str:
     return f"base_model.model.{projection}.lora_{'A' if which == A else 'B'}.weight"
 
 
-def peft_config(cfg: ModelConfig, base_model: str | None) -> dict:
-    """``adapter_config.json``: what PEFT's ``LoraConfig`` needs to rebuild the adapters."""
+def peft_targets(modules, cfg: ModelConfig) -> tuple[list[str], list[str]]:
+    """PEFT's ``target_modules`` and ``target_parameters`` that resolve to exactly ``modules`` (our
+    names of the adapted projections, ``layers.0.attention.wq``) in transformers 5's model. A
+    projection is named by its last name (``q_proj``): targets adapt a name in every block that has
+    it. In a MoE family PEFT turns feed-forward names (``gate_proj``, ``w1``) into the routed experts'
+    fused parameters (its transformers 5 conversion), so there a dense block's or shared expert's
+    projection is named as a parameter by its path below the block: ``mlp.shared_experts.gate_proj.weight``
+    (PEFT matches the end of the name; an adapter on a Linear's weight is LoRA on that Linear)."""
+    by_name, by_parameter = set(), set()
+    moe_family = families.family(cfg) in families.MOE_FAMILIES
+    for module in modules:
+        below = families.to_hf(f"{module}.weight", cfg).split(".", 3)[3]  # model.layers.N.<below>
+        if moe_family and below.startswith("mlp."):
+            by_parameter.add(below)
+        else:
+            by_name.add(below.removesuffix(".weight").rsplit(".", 1)[-1])
+    return sorted(by_name), sorted(by_parameter)
+
+
+def peft_problem(cfg: ModelConfig) -> str | None:
+    """Why no PEFT adapter can be written for this LoRA model (None: it can), fix included."""
+    try:
+        families.check_exportable(cfg)
+    except ValueError as e:
+        return f"no Hugging Face family holds this model ({e})"
+    refused = _dropout_refusal(cfg)
+    return None if refused is None else str(refused)
+
+
+def _dropout_refusal(m: ModelConfig) -> ConfigError | None:
+    """PEFT refuses dropout on an adapter it attaches to a parameter (``peft_targets``)."""
+    ffn = [t for t in adapted_targets(m) if t in FFN_TARGETS]
+    if not (ffn and m.lora.dropout and families.family(m) in families.MOE_FAMILIES):
+        return None
+    return ConfigError("model.lora.dropout", m.lora.dropout, f"PEFT adapts {' '.join(ffn)} of a {families.family(m)} "
+                       "model as parameters, which take no dropout", f"set model.lora.dropout=0, or leave "
+                       f"{' '.join(ffn)} out of model.lora.targets")
+
+
+def check_adapter_export(cfg) -> None:
+    """Validation: a LoRA run with train.save_model=true must end with an adapter PEFT loads."""
+    if cfg.model.lora.rank and cfg.train.save_model:
+        refused = _dropout_refusal(cfg.model)
+        if refused is not None:
+            raise refused
+
+
+def peft_config(cfg: ModelConfig, base_model: str | None, modules) -> dict:
+    """``adapter_config.json``: what PEFT's ``LoraConfig`` needs to rebuild the adapters on ``modules``."""
     lora = cfg.lora
+    by_name, by_parameter = peft_targets(modules, cfg)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -82,7 +132,8 @@ def peft_config(cfg: ModelConfig, base_model: str | None) -> dict:
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": sorted(HF_TARGETS[t] for t in canonical_targets(lora.targets)),
+        "target_modules": by_name,
+        **({"target_parameters": by_parameter} if by_parameter else {}),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -94,8 +145,24 @@ def peft_config(cfg: ModelConfig, base_model: str | None) -> dict:
 def write_adapter(out_dir: Path, adapters: dict[str, torch.Tensor], cfg: ModelConfig,
                   base_model: str | None = None) -> None:
     """PEFT's adapter folder at ``out_dir`` from the adapters by our names (full tensors);
-    ``base_model``: the Hugging Face folder or hub name they adapt, for the config's record."""
+    ``base_model``: the Hugging Face folder or hub name they adapt, for the config's record.
+    Raises ValueError (one line, the fix in it) where PEFT could not load it (``peft_problem``)."""
+    problem = peft_problem(cfg)
+    if problem:
+        raise ValueError(f"no PEFT adapter: {problem}")
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {peft_key(name, cfg): t.detach().cpu().contiguous() for name, t in adapters.items()}
     save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
-    (out_dir / CONFIG).write_text(json.dumps(peft_config(cfg, base_model), indent=2) + "\n")
+    modules = sorted({name.rsplit(".", 1)[0] for name in adapters})
+    (out_dir / CONFIG).write_text(json.dumps(peft_config(cfg, base_model, modules), indent=2) + "\n")
+
+
+def save_run_adapter(run_dir: Path, adapters: dict[str, torch.Tensor], cfg: ModelConfig,
+                     base_model: str | None) -> str:
+    """train.save_model with LoRA: the PEFT adapter at ``run_dir/hf_adapter/``, or where PEFT could
+    not load one, nothing. Returns the console line saying which."""
+    try:
+        write_adapter(run_dir / ADAPTER_DIR, adapters, cfg, base_model)
+    except ValueError as e:
+        return f"parallel3d: {e}"
+    return f"parallel3d: PEFT adapter written to {run_dir / ADAPTER_DIR}"

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from parallel3d.config.schema import ModelConfig, RopeScaling, head_dim
 from parallel3d.models.attention import rotary_tables, sdpa
 from parallel3d.models.kv_cache import BlockCache, KVCache
-from parallel3d.models.lora import adapter_std, is_adapter
+from parallel3d.models.lora import adapter_bound, is_adapter
 from parallel3d.models.mla import (MultiHeadLatentAttention, mla_attention_flops, mla_params, rope_attention_factor,
                                    rope_dim, yarn_frequencies)
 from parallel3d.models.moe import MoE, active_ffn_params, expert_hidden, is_moe_layer
@@ -221,9 +221,10 @@ class Transformer(nn.Module):
         self.init_rope()
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
-            if is_adapter(name):  # LoRA's A and B (parallel3d/models/lora.py)
-                std = adapter_std(name, param.shape)
-            elif "norm" in name:
+            if is_adapter(name):  # LoRA's A and B (parallel3d/models/lora.py), uniform as PEFT's
+                _init_param(param, name, seed, std=None, bound=adapter_bound(name, param.shape))
+                continue
+            if "norm" in name:
                 std = None
             elif name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
                 std = residual_std  # GPT-2 scaling: keeps the residual stream's variance flat in depth
@@ -235,15 +236,17 @@ class Transformer(nn.Module):
                 buffer.zero_()
 
 
-def _init_param(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
-    if std is None:
+def _init_param(param: torch.Tensor, name: str, seed: int, std: float | None, bound: float | None = None) -> None:
+    """``param``'s whole initial value: N(0, std), uniform in +-``bound`` (when given), ones (neither)."""
+    if std is None and bound is None:
         full = torch.ones(param.shape, dtype=param.dtype, device=param.device)
-    elif std == 0:
+    elif not (std or bound):
         full = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
     else:
         digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
         generator = torch.Generator(device=param.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        full = torch.empty(param.shape, dtype=param.dtype, device=param.device).normal_(0, std, generator=generator)
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        full = full.uniform_(-bound, bound, generator=generator) if bound else full.normal_(0, std, generator=generator)
     if isinstance(param, DTensor):
         # Every rank drew the same full tensor: keep the local part, no communication needed.
         local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()

@@ -2,8 +2,15 @@
 
 A targeted projection ``y = W x`` computes ``y = W x + (alpha / rank) * B A dropout(x)``, A of shape
 (rank, in) and B of shape (out, rank); only the adapters train. B starts at zero, so training starts
-from the base model exactly; A draws (normal, PEFT's default scale) from (seed, its name) like every other weight
-(``models.llama.init_weights``), so its values do not depend on the layout. The adapters are
+from the base model exactly; A starts as PEFT's default initialises it (Kaiming-uniform with
+a=sqrt(5): uniform in +-1/sqrt(in)), drawn from (seed, its name) like every other weight
+(``models.llama.init_weights``), so its values do not depend on the layout.
+
+Targets name projections by their last name: attention's ``wq wk wv wo`` (multi-head latent
+attention's ``wq`` or ``wq_a wq_b``, and ``wkv_a wkv_b wo``), the SwiGLU's ``w1 w2 w3`` in dense
+blocks and shared experts. Routed experts take no adapters. A target the model does not have adapts
+nothing (``adapted_targets`` says what does: the console line and PEFT's adapter_config.json list
+exactly those); targets that adapt nothing at all are refused. The adapters are
 parameters of the projection they adapt (``layers.3.attention.wq.lora_a``): checkpoints save and
 reshard them with the rest, and the base weight keeps its name.
 
@@ -11,8 +18,10 @@ They are added after tensor parallelism, split to match the base layer's split, 
 needs no communication of its own:
 
     base layer                      A (rank x in)         B (out x rank)       adapter output
-    column-parallel (wq wk wv w1 w3)  replicated            Shard(0)             Shard(-1), as W x
+    column-parallel (wq wk wv w1 w3,  replicated            Shard(0)             Shard(-1), as W x
+      MLA's wq_b wkv_b)
     row-parallel (wo w2)             Shard(1) (rows)       replicated           Partial, as W x
+    replicated (MLA's wq_a wkv_a)    replicated            replicated           replicated, as W x
     not split (no tp)                plain                 plain                plain
 
 The adapter runs in a forward hook on the projection that goes before tensor parallelism's output
@@ -37,12 +46,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from parallel3d.base import ConfigError
-from parallel3d.config.schema import LoRAConfig
+from parallel3d.config.schema import LoRAConfig, ModelConfig
+from parallel3d.models.moe import is_moe_layer
 
-# Our projection names, and Hugging Face's (Llama, Qwen3) for them.
-TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-HF_TARGETS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj",
-              "w2": "down_proj", "w3": "up_proj"}
+# Our projection names, and Hugging Face's (Llama, Qwen3, DeepSeek-V3's attention) for them.
+ATTENTION_TARGETS = {"gqa": ("wq", "wk", "wv", "wo"), "mla": ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo")}
+FFN_TARGETS = ("w1", "w2", "w3")
+TARGETS = ("wq", "wq_a", "wq_b", "wk", "wv", "wkv_a", "wkv_b", "wo", *FFN_TARGETS)
+HF_TARGETS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "wq_a": "q_a_proj", "wq_b": "q_b_proj",
+              "wkv_a": "kv_a_proj_with_mqa", "wkv_b": "kv_b_proj", "w1": "gate_proj", "w2": "down_proj",
+              "w3": "up_proj"}
 _FROM_HF = {hf: ours for ours, hf in HF_TARGETS.items()}
 A, B = "lora_a", "lora_b"
 
@@ -56,10 +69,34 @@ def is_adapter(name: str) -> bool:
     return name.endswith((f".{A}", f".{B}"))
 
 
-def adapter_std(name: str, shape: tuple[int, ...]) -> float:
-    """Initial std: 0 for B (the adapted model starts as the base); for A (rank x in) that of PEFT's
-    default, Kaiming-uniform with a=sqrt(5), which is uniform in +-1/sqrt(in): 1/sqrt(3 in)."""
-    return 0.0 if name.endswith(f".{B}") else 1.0 / math.sqrt(3 * shape[1])
+def adapter_bound(name: str, shape: tuple[int, ...]) -> float:
+    """An adapter starts uniform in +-bound: 0 for B (the adapted model starts as the base); for A
+    (rank x in) PEFT's default, Kaiming-uniform with a=sqrt(5), whose bound is 1/sqrt(in)."""
+    return 0.0 if name.endswith(f".{B}") else 1.0 / math.sqrt(shape[1])
+
+
+def model_projections(m: ModelConfig) -> tuple[str, ...]:
+    """The projection names this model's blocks have, in ``TARGETS`` order (routed experts are not
+    projections: they take no adapters)."""
+    attention = ATTENTION_TARGETS[m.attention]
+    if m.attention == "mla":
+        attention = tuple(t for t in attention if t not in (("wq",) if m.q_lora_rank else ("wq_a", "wq_b")))
+    dense = m.moe.shared_experts > 0 or any(not is_moe_layer(m, layer) for layer in range(m.n_layers))
+    return tuple(t for t in TARGETS if t in attention or (dense and t in FFN_TARGETS))
+
+
+def adapted_targets(m: ModelConfig) -> tuple[str, ...]:
+    """The projections ``model.lora.targets`` adapts in this model, in ``TARGETS`` order."""
+    wanted = set(canonical_targets(m.lora.targets))
+    return tuple(t for t in model_projections(m) if t in wanted)
+
+
+def describe_targets(m: ModelConfig) -> str:
+    """What the console says LoRA adapts: exactly the adapted projections (and why the SwiGLU's are
+    not, where they were asked for and every feed-forward is routed experts)."""
+    asked = set(canonical_targets(m.lora.targets))
+    routed = asked & set(FFN_TARGETS) and not set(adapted_targets(m)) & set(FFN_TARGETS)
+    return " ".join(adapted_targets(m)) + (" (routed experts take no adapters)" if routed else "")
 
 
 def check_lora(cfg) -> None:
@@ -81,6 +118,10 @@ def check_lora(cfg) -> None:
     if unknown or not lora.targets:
         raise ConfigError("model.lora.targets", list(lora.targets), f"unknown projection(s) {unknown}",
                           f"name some of {', '.join(TARGETS)} (or {', '.join(HF_TARGETS.values())})")
+    if not adapted_targets(m):
+        routed = " (its feed-forwards are routed experts, which take no adapters)" if m.moe.num_experts else ""
+        raise ConfigError("model.lora.targets", list(lora.targets), f"names no projection of this model{routed}",
+                          f"name some of {' '.join(model_projections(m))}")
     if t.float8 != "none":
         raise ConfigError("train.float8", t.float8, "LoRA adapts full-precision projections",
                           "set train.float8=none with model.lora.rank > 0")
