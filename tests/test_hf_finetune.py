@@ -89,3 +89,54 @@ def test_lora_from_a_folder_equals_one_process(trained, folders, name):
 def test_qwen3_under_tensor_parallelism_equals_one_process(trained, folders, name):
     """Full fine-tuning: the q/k norms train, their gradients summed over the tp ranks' heads."""
     check_layout(trained, folders, name, TP_RUNS[name])
+
+
+def test_lora_starts_from_the_folder_with_fresh_adapters(tmp_path):
+    """In-process: the folder's weights load under LoRA (no adapter looked up in it), the adapters
+    are those of any fresh LoRA run of the seed (A drawn, B zero), so the model computes the folder's
+    logits, transformers' own."""
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+    from parallel3d.config.compose import compose
+    from parallel3d.config.schema import CheckpointConfig, ModelConfig
+    from parallel3d.models import Transformer
+    from parallel3d.models.lora import apply_lora, is_adapter
+
+    folder = llama_folder(tmp_path / "llama3")
+    cfg = compose([f"checkpoint.init_from={folder}", *LORA])
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg.model))
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    apply_lora(model, model_cfg.lora)
+    model.to_empty(device="cpu")
+    model.init_weights(cfg.train.seed)
+    fresh = {name: p.detach().clone() for name, p in model.named_parameters() if is_adapter(name)}
+    Checkpointer(folder, CheckpointConfig()).load_weights(folder, TrainState([model]), model_cfg)
+    adapters = {name: p for name, p in model.named_parameters() if is_adapter(name)}
+    assert adapters.keys() == fresh.keys() and all(torch.equal(adapters[n], fresh[n]) for n in fresh)
+    assert all(not p.any() for n, p in adapters.items() if n.endswith("lora_b"))
+    batch = torch.randint(0, model_cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(batch).logits
+        torch.testing.assert_close(model.eval()(batch), theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_lora_recipe_validates_from_a_folder(tmp_path):
+    """recipe=sft_llama3_8b_lora checkpoint.init_from=HF_DIR data.sources=[...], as docs/finetune.md
+    runs it on 8 GPUs: composed, validated and planned (no training) on a Llama-3-style folder."""
+    from parallel3d.config.compose import compose
+    from parallel3d.planner import predict
+    from parallel3d.validate import check
+
+    folder = llama_folder(tmp_path / "llama3")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 8192}))  # the recipe's 4096
+    chats = write_jsonl(tmp_path / "chats.jsonl", chat_records(20))
+    cfg = check(compose(["recipe=sft_llama3_8b_lora", f"checkpoint.init_from={folder}", f"data.sources=[{chats}]"]),
+                8, device="cuda")
+    assert (cfg.model.name, cfg.model.dim, cfg.model.lora.rank, cfg.data.tokenizer) == ("llama3", 64, 16, str(folder))
+    state = predict(cfg, 8).model_state_bytes
+    assert 0 < state["grad_bytes"] < state["param_bytes"]  # the frozen base has no gradient
