@@ -85,7 +85,7 @@ def test_a_set_key_that_disagrees_is_refused_naming_both_values(folders, tmp_pat
 UNSUPPORTED = {
     "attention_bias": ({"attention_bias": True}, "attention_bias=true"),
     "sliding_window": ({"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window=true"),
-    "rope": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope type yarn"),
+    "rope": ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}}, "rope type dynamic"),
     "family": ({"model_type": "gpt2"}, "model_type=gpt2"),
 }
 

@@ -146,31 +146,30 @@ def _deepseek(hf: dict, path: Path) -> dict[str, tuple[str, object]]:
         _refuse(path, "its config.json has rope_interleave=false; parallel3d's MLA rotates interleaved pairs",
                 "use a folder with interleaved RoPE (DeepSeek-V3's own)")
     try:
-        fields = deepseek_fields(hf)
+        fields = deepseek_fields(hf, path)
     except KeyError as e:
         _refuse(path, f"its config.json has no {e.args[0]}", "use a complete config.json (as save_pretrained writes)")
-    except ValueError as e:
-        _refuse(path, str(e), "use a model with default or yarn RoPE")
     moe = fields.pop("moe", {"num_experts": 0})
     flat = {**fields, **{f"moe.{key}": value for key, value in moe.items()}}
     return {key: (_DEEPSEEK_KEYS.get(key) or _implied(DEEPSEEK, key), value) for key, value in flat.items()}
 
 
-def deepseek_fields(config: dict) -> dict:
+def deepseek_fields(config: dict, path: Path) -> dict:
     """A deepseek_v3 ``config.json`` as our model fields (dotted ``model.`` keys without the prefix):
     what ``checkpoint.init_from=HF_DIR`` needs to build the model from the folder alone."""
     layers = config["num_hidden_layers"]
+    theta, scaling = _rope(config, path, 10000.0, kinds=("yarn",))
     dense_layers = config.get("first_k_dense_replace", 0)
     fields = {
         "attention": "mla", "dim": config["hidden_size"], "n_layers": layers,
         "n_heads": config["num_attention_heads"], "n_kv_heads": config["num_attention_heads"],
         "ffn_dim": config["intermediate_size"], "vocab_size": config["vocab_size"],
-        "norm_eps": config.get("rms_norm_eps", 1e-6), "rope_theta": config.get("rope_theta", 10000.0),
+        "norm_eps": config.get("rms_norm_eps", 1e-6), "rope_theta": theta,
         "max_seq_len": config.get("max_position_embeddings", 4096),
         "tie_embeddings": config.get("tie_word_embeddings", False),
         "q_lora_rank": config.get("q_lora_rank") or 0, "kv_lora_rank": config["kv_lora_rank"],
         "qk_nope_head_dim": config["qk_nope_head_dim"], "qk_rope_head_dim": config["qk_rope_head_dim"],
-        "v_head_dim": config["v_head_dim"], "rope_scaling": _rope_scaling(config),
+        "v_head_dim": config["v_head_dim"], "rope_scaling": scaling,
     }
     if dense_layers < layers:
         fields["moe"] = {
@@ -183,36 +182,38 @@ def deepseek_fields(config: dict) -> dict:
     return fields
 
 
-def _rope_scaling(config: dict) -> dict | None:
-    s = config.get("rope_scaling") or config.get("rope_parameters")
-    if not s or s.get("rope_type", s.get("type", "default")) == "default":
-        return None
-    if s.get("rope_type", s.get("type")) != "yarn":
-        raise ValueError(f"rope_scaling type {s.get('rope_type')!r}: deepseek_v3 folders are read with yarn only")
-    return {"type": "yarn", "factor": s["factor"], "original_max_seq_len": s["original_max_position_embeddings"],
-            "beta_fast": s.get("beta_fast") or 32.0, "beta_slow": s.get("beta_slow") or 1.0,
-            "mscale": s.get("mscale") or 0.0, "mscale_all_dim": s.get("mscale_all_dim") or 0.0}
-
-
 def _implied(fam: str, name: str) -> str:
     """How a refusal names a value the family implies: ``model_type=qwen3, so qk_norm``."""
     return f"model_type={fam}, so {name}"
 
 
-def _rope(hf: dict, path: Path, default_theta: float) -> tuple[float, dict | None]:
-    """RoPE theta and Llama 3 scaling, from transformers 5's ``rope_parameters`` or the older
-    top-level ``rope_theta`` and ``rope_scaling``."""
+def _rope(hf: dict, path: Path, default_theta: float, kinds=("llama3", "yarn")) -> tuple[float, dict | None]:
+    """RoPE theta and scaling (of the types ``kinds``), from transformers 5's ``rope_parameters`` or the
+    older top-level ``rope_theta`` and ``rope_scaling``, every field that changes the numbers as
+    transformers reads it (``modeling_rope_utils``)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
     theta = float(hf.get("rope_theta") or params.get("rope_theta") or default_theta)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return theta, None
-    if kind != "llama3":
-        _refuse(path, f"its config.json has rope type {kind}", "use a model with default or llama3 RoPE")
-    return theta, {"factor": float(scaling["factor"]), "low_freq_factor": float(scaling["low_freq_factor"]),
-                   "high_freq_factor": float(scaling["high_freq_factor"]),
-                   "original_max_seq_len": int(scaling["original_max_position_embeddings"])}
+    if kind not in kinds:
+        _refuse(path, f"its config.json has rope type {kind}", f"use a model with default or {' or '.join(kinds)} RoPE")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:  # RoPE on part of each head: not here
+        _refuse(path, f"its config.json has partial_rotary_factor={scaling['partial_rotary_factor']}",
+                "use a model that rotates whole heads")
+    original = int(scaling["original_max_position_embeddings"])
+    if kind == "llama3":
+        return theta, {"type": "llama3", "factor": float(scaling["factor"]), "original_max_seq_len": original,
+                       "low_freq_factor": float(scaling["low_freq_factor"]),
+                       "high_freq_factor": float(scaling["high_freq_factor"])}
+    factor = scaling.get("factor") or hf["max_position_embeddings"] / original  # transformers' fallback
+    attention_factor = scaling.get("attention_factor")
+    return theta, {"type": "yarn", "factor": float(factor), "original_max_seq_len": original,
+                   "beta_fast": float(scaling.get("beta_fast") or 32.0), "beta_slow": float(scaling.get("beta_slow") or 1.0),
+                   "mscale": float(scaling.get("mscale") or 0.0), "mscale_all_dim": float(scaling.get("mscale_all_dim") or 0.0),
+                   "truncate": bool(scaling.get("truncate", True)),
+                   "attention_factor": None if attention_factor is None else float(attention_factor)}
 
 
 def _refuse(path: Path, problem: str, fix: str):

@@ -28,6 +28,8 @@ class RopeScaling:
     beta_slow: float = 1.0  # yarn: ... and above which it is kept (a linear ramp between)
     mscale: float = 1.0  # yarn: cos/sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim)
     mscale_all_dim: float = 0.0  # yarn: softmax scale times mscale(factor, mscale_all_dim)^2; 0: neither
+    truncate: bool = True  # yarn: the ramp's ends rounded out to whole channel pairs (transformers' default)
+    attention_factor: Optional[float] = None  # yarn: what cos/sin are scaled by; None: from the mscales
 
 
 @dataclass

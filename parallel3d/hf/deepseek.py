@@ -46,7 +46,7 @@ def block_name(rest: str) -> str:
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The family-specific part of ``config.json`` (``parallel3d.hf.families.hf_config`` adds the common keys)."""
-    moe, s = cfg.moe, cfg.rope_scaling
+    moe = cfg.moe
     dense_layers = cfg.n_layers if not moe.num_experts else moe.first_dense_layers
     return {
         "num_key_value_heads": cfg.n_heads,  # every head has its own key (from the shared latent)
@@ -57,11 +57,6 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "v_head_dim": cfg.v_head_dim,
         "head_dim": cfg.qk_rope_head_dim,
         "rope_interleave": True,
-        "rope_scaling": None if s is None else {
-            "rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
-            "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "mscale": s.mscale,
-            "mscale_all_dim": s.mscale_all_dim,
-        },
         "first_k_dense_replace": dense_layers,
         "n_routed_experts": moe.num_experts or 1,
         "num_experts_per_tok": moe.top_k,

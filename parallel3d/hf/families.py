@@ -94,7 +94,7 @@ def base_hf_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[s
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """The ``config.json`` with which ``transformers`` builds this model (see the family table)."""
-    scaling, fam = cfg.rope_scaling, family(cfg)
+    fam = family(cfg)
     config = {
         "architectures": [ARCHITECTURES[fam]],
         "model_type": fam,
@@ -107,11 +107,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None if scaling is None else {
-            "rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_seq_len,
-        },
+        "rope_scaling": rope_scaling_json(cfg.rope_scaling),
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
@@ -123,6 +119,18 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     if fam == deepseek.FAMILY:
         return config | deepseek.hf_config(cfg)
     return config | _moe_config(cfg, fam)
+
+
+def rope_scaling_json(s) -> dict | None:
+    """``model.rope_scaling`` as transformers reads ``rope_scaling`` (every field that changes the numbers)."""
+    if s is None:
+        return None
+    common = {"rope_type": s.type, "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len}
+    if s.type == "llama3":
+        return common | {"low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor}
+    extra = {} if s.attention_factor is None else {"attention_factor": s.attention_factor}
+    return common | {"beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "mscale": s.mscale,
+                     "mscale_all_dim": s.mscale_all_dim, "truncate": s.truncate} | extra
 
 
 def _moe_config(cfg: ModelConfig, fam: str) -> dict:

@@ -32,12 +32,12 @@ from parallel3d.models.partial import partial_local
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Rotation frequency of each channel pair; Llama 3.1 slows the low frequencies down, YaRN
-    interpolates them (models/mla.py)."""
+    interpolates them (models/mla.py). Scaled ones in float32, as transformers computes them."""
     if scaling is not None and scaling.type == "yarn":
         return yarn_frequencies(head_dim, theta, scaling)
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if scaling is None:
-        return freqs.float()
+        return (1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float()
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     wavelen = 2 * math.pi / freqs
     low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
@@ -46,7 +46,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     )
     blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
     scaled = torch.where(wavelen > low_freq_wavelen, freqs / scaling.factor, blended)
-    return torch.where(wavelen < high_freq_wavelen, freqs, scaled).float()
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -64,24 +64,30 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def yarn_frequencies(dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
     """YaRN (arXiv:2309.00071): channel pairs that turn fewer than ``beta_slow`` times over the
     original context are interpolated (frequency / factor), those over ``beta_fast`` kept, a linear
-    ramp between; Hugging Face's ``_compute_yarn_parameters`` with truncation, in float32 as there."""
+    ramp between; Hugging Face's ``_compute_yarn_parameters`` (the ramp's ends rounded out to whole
+    pairs unless ``truncate`` is false), in float32 as there."""
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
     keep = 1 - ramp
     return (1.0 / (s.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """What YaRN multiplies cos and sin by (1 without YaRN, and for DeepSeek-V3's mscale = mscale_all_dim)."""
+    """What YaRN multiplies cos and sin by (1 without YaRN, and for DeepSeek-V3's mscale = mscale_all_dim):
+    the folder's ``attention_factor`` where it gives one."""
     s = cfg.rope_scaling
     if s is None or s.type != "yarn":
         return 1.0
+    if s.attention_factor is not None:
+        return s.attention_factor
     if s.mscale and s.mscale_all_dim:
         return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
     return yarn_mscale(s.factor)
