@@ -22,7 +22,7 @@ class ConfigError(ValueError):
     """A configuration that cannot run, explained for the person who wrote it."""
 
     def __init__(self, key: str, value: object, problem: str, fix: str):
-        self.key, self.value = key, value
+        self.key, self.value, self.problem, self.fix = key, value, problem, fix
         super().__init__(f"{key}={value}: {problem}. Fix: {fix}.")
 
 

@@ -18,6 +18,7 @@ import torch
 
 from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device
 from parallel3d.checkpoint.checks import check_checkpoint, run_dir_of
+from parallel3d.config.hf_folder import named_in_folder
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
 from parallel3d.hf.lora import check_adapter_export
@@ -73,8 +74,9 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_known_keys(cfg)
     cfg = resolve(cfg, world_size)
     _check_degrees(cfg.parallel, world_size)
-    _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
-    check_experts(cfg.model, cfg.parallel)
+    with named_in_folder(cfg):  # a Hugging Face folder's model: its config.json is what to fix
+        _check_model(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
+        check_experts(cfg.model, cfg.parallel)
     check_lora(cfg)
     check_adapter_export(cfg)
     _check_data_parallel(cfg.parallel, cfg.train, device)

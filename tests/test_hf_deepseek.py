@@ -122,3 +122,42 @@ def test_weights_or_rope_the_model_cannot_read_are_refused(tmp_path, field, valu
     with pytest.raises(ConfigError, match=f"checkpoint.init_from=.*{'quantized' if field[0] == 'q' else field}"):
         compose([f"checkpoint.init_from={tmp_path}"])
 
+
+
+def suggested(message: str) -> list[int]:
+    """The values a refusal's "Fix: ... one of 1, 2." offers."""
+    return [int(v) for v in message.rsplit("one of ", 1)[1].rstrip(".").split(", ")]
+
+
+@pytest.mark.parametrize("key, overrides", [
+    ("n_group", ["model.moe.num_experts=6"]),  # 4 groups do not divide 6 experts
+    ("n_group", ["model.moe.num_experts=4"]),  # groups of one expert
+    ("topk_group", ["model.moe.topk_group=5"]),  # more groups than there are
+])
+def test_group_fix_hints_are_accepted(key, overrides):
+    """Every value the group-limited routing's refusal offers is one the next run accepts."""
+    from parallel3d.base import ConfigError
+    from parallel3d.validate import check
+
+    base = ["model=tiny_mla", *overrides]
+    with pytest.raises(ConfigError, match=rf"^model\.moe\.{key}=.*Fix: set model\.moe\.{key} to one of") as refused:
+        check(compose(base), 1)
+    for value in suggested(str(refused.value)):
+        check(compose([*base, f"model.moe.{key}={value}"]), 1)
+
+
+def test_a_folders_group_refusal_names_its_config_json(tmp_path):
+    """From a folder, setting model.moe.n_group would only disagree with it: the refusal names the
+    folder's config.json field, and each value it offers, written there, is accepted."""
+    from parallel3d.base import ConfigError
+    from parallel3d.validate import check
+
+    config = {"model_type": "deepseek_v3", **TINY, "n_routed_experts": 4, "vocab_size": 512}  # byte tokens
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # validation reads no weight
+    with pytest.raises(ConfigError, match=r"^checkpoint\.init_from=.*: its config\.json has n_group=4: .* Fix: in "
+                                          r".*config\.json, set n_group to one of") as refused:
+        check(compose([f"checkpoint.init_from={tmp_path}"]), 1)
+    for value in suggested(str(refused.value)):
+        (tmp_path / "config.json").write_text(json.dumps(config | {"n_group": value}))
+        check(compose([f"checkpoint.init_from={tmp_path}"]), 1)

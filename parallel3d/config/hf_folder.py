@@ -13,6 +13,7 @@ This module reads JSON and config trees only (no model code), so config.compose 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -257,6 +258,28 @@ def check_agrees(path: Path, model_cfg) -> None:
     for key, hf_key, theirs, ours in disagreements(path, model_cfg):
         _refuse(path, f"its config.json has {hf_key}={theirs} but model.{key}={ours}",
                 f"drop model.{key} (the folder defines the model)")
+
+
+@contextlib.contextmanager
+def named_in_folder(cfg):
+    """Validation of the model inside: a refused model key that the Hugging Face folder decided is
+    named as its config.json field, and so is the fix (setting the model key would only disagree
+    with the folder): ``model.moe.n_group=4: ... Fix: set model.moe.n_group to one of 1, 2`` becomes
+    ``checkpoint.init_from=DIR: its config.json has n_group=4: ... Fix: in DIR/config.json, set n_group ...``."""
+    try:
+        yield
+    except ConfigError as e:
+        path = hf_folder(cfg)
+        decided = read_model(path) if path is not None and e.key.startswith("model.") else {}
+        hf_key = decided.get(e.key.removeprefix("model."), ("",))[0]
+        if not hf_key or " " in hf_key:  # not the folder's, or a value its family implies
+            raise
+        fix = e.fix
+        for key, (source, _) in sorted(decided.items(), key=lambda item: -len(item[0])):
+            if " " not in source:
+                fix = fix.replace(f"model.{key}", source)
+        raise ConfigError("checkpoint.init_from", path, f"its config.json has {hf_key}={e.value}: {e.problem}",
+                          f"in {path / 'config.json'}, {fix}") from e
 
 
 def apply_hf_folder(cfg, user_keys: set[str]):

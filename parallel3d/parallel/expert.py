@@ -190,14 +190,22 @@ def _check_groups(moe, n_layers: int) -> None:
                           f"{n_layers - 1}", "keep at least one MoE block, or set model.moe.num_experts=0")
     if moe.n_group == 1:
         return
+    if moe.router != "sigmoid":
+        raise ConfigError("model.moe.n_group", moe.n_group, "group-limited routing is the sigmoid router's "
+                          f"(DeepSeek-V3's), not model.moe.router={moe.router}'s",
+                          "set model.moe.router=sigmoid, or model.moe.n_group=1")
     per_group = moe.num_experts // max(moe.n_group, 1)
-    if moe.router != "sigmoid" or moe.n_group < 1 or moe.num_experts % moe.n_group or per_group < 2:
-        raise ConfigError("model.moe.n_group", moe.n_group, "group-limited routing (sigmoid router) needs groups "
-                          f"of >= 2 experts dividing num_experts={moe.num_experts}",
-                          "set model.moe.router=sigmoid and n_group to such a divisor, or n_group=1")
+    if moe.n_group < 1 or moe.num_experts % moe.n_group or per_group < 2:
+        # Only group counts the next run accepts: with this topk_group and top_k too (1: no groups).
+        fits = [d for d in divisors(moe.num_experts) if d == 1 or (
+            moe.num_experts // d >= 2 and moe.topk_group <= d and moe.top_k <= moe.topk_group * (moe.num_experts // d))]
+        raise ConfigError("model.moe.n_group", moe.n_group, "group-limited routing needs groups of >= 2 experts "
+                          f"dividing num_experts={moe.num_experts}",
+                          f"set model.moe.n_group to one of {', '.join(map(str, fits))}")
     if not 1 <= moe.topk_group <= moe.n_group or moe.top_k > moe.topk_group * per_group:
         raise ConfigError("model.moe.topk_group", moe.topk_group, f"must be in 1..n_group={moe.n_group} and hold "
-                          f"top_k={moe.top_k} experts", f"choose topk_group >= {-(-moe.top_k // per_group)}")
+                          f"top_k={moe.top_k} experts", f"set model.moe.topk_group to one of "
+                          f"{', '.join(map(str, range(-(-moe.top_k // per_group), moe.n_group + 1)))}")
 
 
 def check_experts(m, p) -> None:
