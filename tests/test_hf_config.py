@@ -82,6 +82,17 @@ def test_a_set_key_that_disagrees_is_refused_naming_both_values(folders, tmp_pat
         compose(["recipe=mine", f"checkpoint.init_from={folder}"])
 
 
+def test_another_attention_than_the_folders_is_refused(folders, tmp_path):
+    """model.attention=mla beside a Llama-family folder disagrees with it, as any model key does."""
+    folder = shutil.copytree(folders["qwen3"], tmp_path / "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    with pytest.raises(ConfigError, match=r"^checkpoint\.init_from=.*: its config.json has model_type=llama, so "
+                                          r"attention=gqa but model.attention=mla was set. Fix: drop model.attention"):
+        compose([f"checkpoint.init_from={folder}", "model.attention=mla"])
+    assert compose([f"checkpoint.init_from={folder}", "model.attention=gqa"]).model.attention == "gqa"
+
+
 UNSUPPORTED = {
     "attention_bias": ({"attention_bias": True}, "attention_bias=true"),
     "sliding_window": ({"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window=true"),

@@ -100,6 +100,7 @@ def _dense(hf: dict, fam: str, get, path: Path) -> dict[str, tuple[str, object]]
         "max_seq_len": ("max_position_embeddings", get("max_position_embeddings")),
         "tie_embeddings": ("tie_word_embeddings", bool(hf.get("tie_word_embeddings", False))),
         "qk_norm": (_implied(fam, "qk_norm"), fam in ("qwen3", "qwen3_moe")),
+        "attention": (_implied(fam, "attention"), "gqa"),
     }
 
 
