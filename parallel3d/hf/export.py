@@ -180,14 +180,22 @@ def token_ids(out_dir: Path) -> dict[str, int | None]:
     return {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
 
 
-def generation_config(out_dir: Path, ids: dict[str, int | None]) -> dict:
-    """Stop at eos, and at the chat template's end of turn where that is another token
-    (Qwen3 base: <|endoftext|> and <|im_end|>)."""
-    tok = load_tokenizer(str(out_dir))
-    found = load_chat_template(tokenizer_spec=str(out_dir))
+def end_token_ids(*, tokenizer_spec: str, chat_template: str | None = None) -> list[int]:
+    """Where generation ends for a run's tokenizer: eos, then the chat template's end-of-turn tokens
+    that are other tokens (Qwen3 base: <|endoftext|> and <|im_end|>). ``chat_template``: the run's
+    data.chat_template file, which replaces the tokenizer folder's template. What
+    generation_config.json lists, and what parallel3d-generate stops at on the run's checkpoints."""
+    tok = load_tokenizer(tokenizer_spec)
+    found = load_chat_template(tokenizer_spec=tokenizer_spec, template_file=chat_template)
     template = found.source if found else ""
-    ends = [ids["eos"]] + [i for token in END_OF_TURN if token in template
-                           for i in [tok.token_id(token)] if i is not None and i != ids["eos"]]
+    token_id = getattr(tok, "token_id", lambda token: None)  # the byte tokenizer has no named tokens
+    return [tok.eos_id] + [i for token in END_OF_TURN if token in template
+                           for i in [token_id(token)] if i is not None and i != tok.eos_id]
+
+
+def generation_config(out_dir: Path, ids: dict[str, int | None]) -> dict:
+    """Stop where ``end_token_ids`` says, for the folder's own tokenizer and template."""
+    ends = end_token_ids(tokenizer_spec=str(out_dir))
     return {"bos_token_id": ids["bos"], "eos_token_id": ends[0] if len(ends) == 1 else ends,
             "pad_token_id": ids["pad"] if ids["pad"] is not None else ids["eos"], "do_sample": False}
 

@@ -4,13 +4,15 @@
 tensor from the shards of whatever layout saved it (no process group: DCP reshards on read).
 ``generate`` runs the prompt once, then one token at a time over the model's KV cache
 (``parallel3d.models.kv_cache``): greedy at temperature 0, else sampled from the temperature-scaled
-distribution cut to its top-p nucleus. It stops at any of ``stop_ids`` (kept in the output, as
-transformers' generate keeps the EOS) or after ``max_new_tokens``.
+distribution cut to its top-p nucleus. It stops at any id of the set ``stop_ids`` (kept in the
+output, as transformers' generate keeps the EOS) or after ``max_new_tokens``; a sequence's stop
+condition is that set alone (parallel3d/inference/trained.py says which ids a model's is).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -99,8 +101,9 @@ def next_token(logits: torch.Tensor, *, temperature: float, top_p: float,
 
 @torch.no_grad()
 def generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, stop_ids: tuple[int, ...] = (), seed: int = 0) -> list[int]:
+             top_p: float = 1.0, stop_ids: Collection[int] = (), seed: int = 0) -> list[int]:
     """The ids generated after ``prompt_ids`` (the stop id that ended them included)."""
+    stop_ids = frozenset(stop_ids)
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     total = len(prompt_ids) + max_new_tokens
