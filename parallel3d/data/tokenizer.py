@@ -31,6 +31,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        return self.encode(text)  # nothing added: its exported tokenizer.json has no post-processor
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
 
@@ -97,6 +100,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """As transformers' ``tokenizer(text)["input_ids"]``: with the special tokens the tokenizer's
+        post-processor adds (Llama 3's BOS first; none for tokenizers without one)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """The tokenizers library's own batch encoding (Rust, parallel over the batch)."""
