@@ -32,12 +32,12 @@ from parallel3d.config.compose import CONF_DIR, register_configs, user_set_keys
 from parallel3d.config.hf_folder import apply_hf_folder, loaded_line
 from parallel3d.config.schema import Config
 from parallel3d.config.strict import RecipeError
-from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data, open_eval_corpus
-from parallel3d.data.checks import check_corpus, check_heldout
+from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data
+from parallel3d.data.checks import check_corpus
 from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.hf.export import save_run_model
 from parallel3d.hf.lora import merged_state, save_run_adapter, split_adapters
-from parallel3d.inference.evaluate import Evaluator
+from parallel3d.inference.evaluate import Evaluator, open_evaluator
 from parallel3d.models import Transformer, num_params
 from parallel3d.models.lora import apply_lora, describe_targets
 from parallel3d.observe.meter import StepMeter
@@ -94,11 +94,7 @@ def train(cfg: DictConfig) -> Path:
     with interruptible("preparing the data"):
         corpus, sampler = build_train_data(c.data, c.eval, setup.spec, c.train.seed, data_offset, workers)
         check_corpus(corpus, c.train.seq_len, c.data)
-        held_out = open_eval_corpus(c.data, c.eval, workers, seq_len=c.train.seq_len)
-    if held_out is not None:
-        check_heldout(held_out, seq_len=c.train.seq_len, global_batch_size=c.train.global_batch_size, eval_cfg=c.eval)
-    evaluator = None if held_out is None else Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval,
-                                                        c.train.steps, held_out.flags, c.data.packing)
+        evaluator = open_evaluator(c, setup.spec, workers, progress)  # parallel3d-evaluate builds it alike
     wandb_run = start_wandb(c.logging.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                             resumed=start_step > 0) if is_rank0 and c.logging.wandb.enabled else None
     tensorboard = start_tensorboard(run_dir, start_step) if is_rank0 and c.logging.tensorboard else None

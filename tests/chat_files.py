@@ -156,3 +156,25 @@ def llama_folder(folder: Path, style: str = "llama3", seed: int = 0) -> Path:
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, torch_dtype="float32"))
     model.save_pretrained(folder, safe_serialization=True)
     return chat_tokenizer_folder(folder, style)
+
+
+def llama3_instruct_folder(folder: Path, seed: int = 0) -> Path:
+    """A tiny Llama 3 Instruct as its first release shipped: the tokenizer's post-processor adds
+    <|begin_of_text|> (transformers' ``tokenizer(text)`` starts with BOS), eos_token is
+    <|end_of_text|>, the chat template ends each turn with <|eot_id|>, and generation_config.json
+    lists both as end tokens (transformers' generate stops at either)."""
+    from tokenizers import Tokenizer, processors
+
+    llama_folder(folder, "llama3", seed)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bos, eos, eot = (tok.token_to_id(t) for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"))
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                                       special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text()) | {"eos_token": "<|end_of_text|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    model = json.loads((folder / "config.json").read_text()) | {"bos_token_id": bos, "eos_token_id": eos}
+    (folder / "config.json").write_text(json.dumps(model, indent=1))
+    generation = {"bos_token_id": bos, "eos_token_id": [eos, eot], "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=1))
+    return folder

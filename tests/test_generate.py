@@ -1,26 +1,31 @@
-"""Generation (parallel3d-generate, the model's KV cache) and lm-evaluation-harness on checkpoints.
+"""Generation (parallel3d-generate, the model's KV cache), lm-evaluation-harness and
+parallel3d-evaluate on a fine-tuned model, as a user runs them.
 
-One tiny Llama trains 10 steps in one process with a Hugging Face tokenizer made here (no hub),
-is exported with parallel3d-convert-hf, and must generate, greedily, the ids transformers'
-generate gives on the exported folder; lm_eval's loglikelihoods through our adapter must equal
-those of lm_eval's own ``hf`` model on that folder. The KV cache must give the full forward's
-logits (dense and MoE), and a Qwen3-MoE model the tokens of transformers' Qwen3MoeForCausalLM.
+One SFT run serves them all: a tiny Llama 3 Instruct made here as a Hugging Face folder (its
+tokenizer adds BOS, eos is <|end_of_text|>, turns end with <|eot_id|>, generation_config.json
+stops at both) fine-tuned on chat records in one process, with a checkpoint, held-out chats and
+``train.save_model`` (run_dir/hf/). Greedy generation from the checkpoint, from the exported folder
+and from a run_dir that kept only hf/ must give the ids transformers' generate gives on that
+folder with its own end tokens; lm_eval's loglikelihoods through our adapter must equal those of
+lm_eval's own ``hf`` model on it; parallel3d-evaluate at dp2 must give the val_loss training
+logged. The KV cache must give the full forward's logits (dense and MoE), and a Qwen3-MoE model
+the tokens of transformers' Qwen3MoeForCausalLM.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from chat_files import chat_tokenizer_folder
-from conftest import FAST, launch
-from data_files import documents, write_jsonl
+from chat_files import chat_records, llama3_instruct_folder, write_jsonl
+from conftest import RUN_TIMEOUT_S, env, launch, relative_error
 from omegaconf import OmegaConf
 
-from parallel3d.cli import convert_hf
 from parallel3d.cli import generate as generate_cli
 from parallel3d.config.compose import compose
 from parallel3d.config.schema import ModelConfig
@@ -31,32 +36,29 @@ from parallel3d.models import Transformer
 from parallel3d.models.kv_cache import KVCache
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-EOS = "<|endoftext|>"
-PROMPT = "alpha beta gamma"
+PROMPT = "What is the capital of France?"
+STEPS = 20
 
 
 class Trained:
-    """The tiny Llama's run (checkpoint at step 10) and its Hugging Face export, made once."""
+    """The SFT run (checkpoint at its last step, val_loss there) and its Hugging Face export, made once."""
 
     def __init__(self, root: Path):
-        texts = documents("doc", 200)
-        # Qwen3-style special tokens and chat template; <|endoftext|> ends documents (and is the
-        # folder's eos_token, so transformers and lm_eval agree on it).
-        folder = chat_tokenizer_folder(root / "tok", "qwen3")
-        config = json.loads((folder / "tokenizer_config.json").read_text()) | {"eos_token": EOS}
-        (folder / "tokenizer_config.json").write_text(json.dumps(config))
-        tokenizer = folder / "tokenizer.json"
-        data = write_jsonl(root / "train.jsonl", texts)
-        self.run = launch(root / "run", [*FAST, "checkpoint.every=10", f"data.tokenizer={tokenizer}",
-                                         f"data.sources=[{data}]", f"data.cache_dir={root / 'cache'}"])
-        self.run.assert_finished(10)
-        self.step_dir = self.run.run_dir / "checkpoints" / "step_10"
-        self.export = root / "hf"
-        assert convert_hf.main(["export", str(self.run.run_dir), str(self.export), "--dtype", "float32"]) == 0
-        # What transformers' AutoTokenizer needs besides tokenizer.json (exports without it predate item 5).
-        if not (self.export / "tokenizer_config.json").is_file():
-            shutil.copyfile(folder / "tokenizer_config.json", self.export / "tokenizer_config.json")
-        self.tokenizer = load_tokenizer(str(tokenizer))
+        self.base = llama3_instruct_folder(root / "llama3")
+        data = write_jsonl(root / "chats.jsonl", chat_records(90))
+        # Held-out chats that also carry a 'text' field: scored on their assistant tokens, not as text.
+        heldout = write_jsonl(root / "heldout.jsonl", [r | {"text": "not what is scored"}
+                                                       for r in chat_records(40, seed=1)])
+        self.run = launch(root / "run", [
+            f"checkpoint.init_from={self.base}", "data.format=chat", f"data.sources=[{data}]",
+            f"data.cache_dir={root / 'cache'}", f"eval.sources=[{heldout}]", "eval.batches=1", f"eval.every={STEPS}",
+            f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8", "train.seq_len=64",
+            "optim.lr=3e-3", "optim.warmup_steps=2", "optim.eps=1e-6", f"checkpoint.every={STEPS}",
+            "train.save_model=true"])
+        self.run.assert_finished(STEPS)
+        self.step_dir = self.run.run_dir / "checkpoints" / f"step_{STEPS}"
+        self.export = self.run.run_dir / "hf"
+        self.tokenizer = load_tokenizer(str(self.base))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -107,47 +109,81 @@ def test_the_cache_refuses_tokens_past_its_length():
 
 # -- greedy tokens equal transformers' --------------------------------------------------------
 
-def hf_greedy(model, prompt: list[int], new_tokens: int, eos: int | None) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos,
-                         pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+def hf_greedy(model, prompt: list[int], new_tokens: int, eos="folder") -> list[int]:
+    """transformers' greedy ids after ``prompt``: stopping where the folder's generation_config.json
+    says, or at ``eos`` (None: nowhere)."""
+    stop = {} if eos == "folder" else {"eos_token_id": eos}
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **stop)
     return out[0, len(prompt):].tolist()
 
 
+def printed_ids(capsys) -> list[int]:
+    return [int(t) for t in capsys.readouterr().out.split()]
+
+
 def test_generate_equals_transformers_greedy(trained, capsys):
-    from transformers import AutoModelForCausalLM
+    """Plain generation stops where the exported folder says (<|eot_id|>, which is not eos), as
+    transformers' generate does on it, from the checkpoint, the folder and a run_dir with only hf/."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     reference = AutoModelForCausalLM.from_pretrained(trained.export, dtype=torch.float32).eval()
-    prompt, eos = trained.tokenizer.encode(PROMPT), trained.tokenizer.eos_id
+    prompt = AutoTokenizer.from_pretrained(trained.export)(PROMPT)["input_ids"]  # BOS first, as training's
+    assert prompt == [trained.tokenizer.bos_id, *trained.tokenizer.encode(PROMPT)]
     # 32 tokens whatever comes: no stop
     ours = generate(load_model(trained.step_dir), prompt, max_new_tokens=32)
     assert len(ours) == 32
     assert ours == hf_greedy(reference, prompt, 32, eos=None)
-    # The command line, from the run_dir, stopping at EOS as transformers does.
-    assert generate_cli.main([str(trained.run.run_dir), "--prompt", PROMPT, "--max-new-tokens", "32",
-                              "--token-ids"]) == 0
-    printed = [int(t) for t in capsys.readouterr().out.split()]
-    assert printed == hf_greedy(reference, prompt, 32, eos=eos)
+    expected = hf_greedy(reference, prompt, 32)
+    eot = trained.tokenizer.token_id("<|eot_id|>")
+    assert expected[-1] == eot != trained.tokenizer.eos_id and len(expected) < 32  # the run exercises the stop
+    only_hf = trained.run.run_dir.parent / "only_hf"  # a run_dir that kept no checkpoint, only its export
+    shutil.copytree(trained.export, only_hf / "hf", dirs_exist_ok=True)
+    for model in (trained.run.run_dir, trained.export, only_hf):
+        assert generate_cli.main([str(model), "--prompt", PROMPT, "--max-new-tokens", "32", "--token-ids"]) == 0
+        assert printed_ids(capsys) == expected, model
     assert generate_cli.main([str(trained.step_dir), "--prompt", PROMPT, "--max-new-tokens", "4"]) == 0
-    assert capsys.readouterr().out == trained.tokenizer.decode([t for t in printed[:4] if t != eos]) + "\n"
+    assert capsys.readouterr().out == trained.tokenizer.decode([t for t in expected[:4] if t != eot]) + "\n"
 
 
 def test_chat_prompt_equals_transformers_chat_template(trained, capsys):
     """--chat: the prompt as transformers' apply_chat_template renders a user turn (the assistant's
-    turn opened), and generation stops at <|im_end|> as well as at the end of text."""
+    turn opened), and generation stops where transformers' generate stops."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf_tokenizer = AutoTokenizer.from_pretrained(trained.export)
-    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"]
     reference = AutoModelForCausalLM.from_pretrained(trained.export, dtype=torch.float32).eval()
-    stops = [trained.tokenizer.eos_id, hf_tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    assert generate_cli.main([str(trained.run.run_dir), "--prompt", PROMPT, "--chat", "--max-new-tokens", "16",
-                              "--token-ids"]) == 0
-    assert [int(t) for t in capsys.readouterr().out.split()] == hf_greedy(reference, prompt, 16, eos=stops)
+    for text in (PROMPT, "Tell me a joke about the lazy dog"):
+        prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"]
+        for model in (trained.run.run_dir, trained.export):
+            assert generate_cli.main([str(model), "--prompt", text, "--chat", "--max-new-tokens", "16",
+                                      "--token-ids"]) == 0
+            assert printed_ids(capsys) == hf_greedy(reference, prompt, 16), (model, text)
+
+
+def test_end_tokens_are_the_folders(tmp_path):
+    """A folder's end tokens are generation_config.json's eos_token_id (an id or a list), else
+    config.json's, as transformers reads them; a run's are those its export writes."""
+    from parallel3d.inference.trained import folder_end_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert folder_end_ids(tmp_path) == {7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 9]}))
+    assert folder_end_ids(tmp_path) == {3, 9}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert folder_end_ids(tmp_path) == {5}
+
+
+def test_help_says_what_it_reads(capsys):
+    with pytest.raises(SystemExit):
+        generate_cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Hugging Face folder" in text and "run_dir/hf/" in text and "generation_config.json" in text
 
 
 def test_sampling_is_seeded_and_top_p_narrows_it(trained):
-    model, prompt = load_model(trained.step_dir), trained.tokenizer.encode(PROMPT)
+    model, prompt = load_model(trained.step_dir), trained.tokenizer.encode_with_special_tokens(PROMPT)
 
     def sample(seed, top_p=1.0):
         return generate(model, prompt, max_new_tokens=8, temperature=1.0, top_p=top_p, seed=seed)
@@ -174,7 +210,10 @@ def test_moe_greedy_equals_transformers_qwen3_moe(tmp_path):
 
 def test_the_command_line_says_what_is_wrong(tmp_path, capsys):
     assert generate_cli.main([str(tmp_path), "--prompt", "x"]) == 1
-    assert "no complete checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no complete checkpoint there and no Hugging Face folder (hf/" in err and "Fix: name" in err
+    assert generate_cli.main([str(tmp_path / "typo"), "--prompt", "x"]) == 1
+    assert f"{tmp_path / 'typo'}: no such file or folder" in capsys.readouterr().err
 
 
 # -- lm-evaluation-harness --------------------------------------------------------------------
@@ -261,3 +300,25 @@ def test_lm_eval_through_the_adapter_equals_the_hf_model(trained, tmp_path, monk
     assert ours["p3d_choice"]["acc,none"] == theirs["p3d_choice"]["acc,none"]
     assert ours["p3d_rolling"]["word_perplexity,none"] == pytest.approx(theirs["p3d_rolling"]["word_perplexity,none"],
                                                                         rel=1e-5)
+
+
+# -- parallel3d-evaluate ------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_evaluate_an_sft_checkpoint_at_dp2(trained):
+    """parallel3d-evaluate on the SFT run's checkpoint at dp2: the held-out chats rendered and
+    scored on their assistant tokens as training did (not as the 'text' they also carry), so the
+    val_loss training logged at that step, in a metrics line of its own run_dir."""
+    run_dir = trained.run.run_dir
+    logged = next(r["val_loss"] for r in trained.run.metrics if r["step"] == STEPS)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "parallel3d.cli.evaluate", str(trained.step_dir), "parallel.dp_shard=2",
+                           "train.micro_batch_size=2"],
+                          capture_output=True, text=True, env=env(), cwd=run_dir.parent, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = run_dir / "eval" / f"step_{STEPS}" / "metrics.jsonl"
+    [line] = [json.loads(row) for row in out.read_text().splitlines()]
+    assert line["step"] == STEPS and line["layout"]["dp_shard"] == 2
+    assert relative_error([line["val_loss"]], [logged]) <= 1e-5
+    assert f"evaluated step_{STEPS}" in proc.stdout  # the progress line of a long evaluation
+    assert "FutureWarning" not in proc.stderr  # our collectives use torch's current names

@@ -8,7 +8,9 @@ CHECKPOINT: a step_<N> folder, or a run_dir or its checkpoints/ folder (the newe
 checkpoint that verifies). The config is the checkpoint's own config.yaml with its layout
 (``parallel.*``) reset to the defaults, then the overrides: ``eval.sources=[held_out.jsonl]`` (or
 ``eval.fraction`` of the run's data.sources), ``eval.batches``, ``parallel.tp=2``... Training's own
-evaluation runs (parallel3d/inference/evaluate.py): the same batches, the same val_loss at every layout.
+evaluation runs (parallel3d/inference/evaluate.py ``open_evaluator``): the held-out data read as the
+run read it (instruction records rendered with its data.format, chat template, train_on, packing and
+train.seq_len, scored on their trained tokens only), the same batches, the same val_loss at every layout.
 
 The result is printed and appended as one JSON line to ``run_dir/metrics.jsonl``, where run_dir
 defaults to ``<the training run_dir>/eval/step_<N>`` (set ``run_dir=`` to choose): never the
@@ -29,10 +31,10 @@ from omegaconf import OmegaConf
 from parallel3d.base import ConfigError, rank, world_size_from_env
 from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
 from parallel3d.config.schema import Config, ParallelConfig
-from parallel3d.data import Workers, open_eval_corpus
-from parallel3d.data.checks import check_heldout
-from parallel3d.inference.evaluate import Evaluator
+from parallel3d.data import Workers
+from parallel3d.inference.evaluate import open_evaluator
 from parallel3d.inference.generate import resolve_checkpoint
+from parallel3d.progress import Progress
 from parallel3d.runtime.failures import report_failure
 from parallel3d.runtime.process_group import init_distributed
 from parallel3d.step import build_setup
@@ -73,10 +75,12 @@ def evaluate_checkpoint(step_dir: Path, overrides: list[str]) -> dict:
     setup = build_setup(c, device)
     meta = Checkpointer(Path(c.run_dir), c.checkpoint).load(step_dir, TrainState(setup.parts))
     workers = Workers(rank(), world_size, dist.barrier if dist.is_initialized() else None)
-    held_out = open_eval_corpus(c.data, c.eval, workers)
-    check_heldout(held_out, seq_len=c.train.seq_len, global_batch_size=c.train.global_batch_size, eval_cfg=c.eval)
+    evaluator = open_evaluator(c, setup.spec, workers, Progress(enabled=rank() == 0))
+    if rank() == 0:
+        print(f"parallel3d-evaluate: {step_dir}: {c.eval.batches} batches of {c.train.global_batch_size} x "
+              f"{c.train.seq_len} tokens at {setup.dims.sizes()}", flush=True)
     start = time.perf_counter()
-    result = Evaluator(held_out.tokens, setup.spec, c.train.seed, c.eval, c.train.steps).evaluate(setup)
+    result = evaluator.evaluate(setup, done=f"evaluated {step_dir.name}")
     return {"step": meta["step"], **result, "checkpoint": str(step_dir), "eval_sources": list(c.eval.sources),
             "eval_fraction": c.eval.fraction, "eval_batches": c.eval.batches, "layout": setup.dims.sizes(),
             "eval_time_s": round(time.perf_counter() - start, 3)}
