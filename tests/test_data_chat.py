@@ -70,3 +70,33 @@ def test_template_file_overrides_the_folder(tmp_path, style):
     template = load_chat_template(tokenizer_spec=str(folder / "tokenizer.json"), template_file=str(other))
     assert template.source == other.read_text() and template.special_tokens["eos_token"] == STYLES[name]["eos"]
     assert load_chat_template(tokenizer_spec="byte") is None
+
+
+# Llama 3's template with transformers' assistant-mask markers around each reply (its end of turn
+# left outside them: the mask must be the blocks', not the turns').
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim }}{% endgeneration %}"
+    "{% else %}{{ message['content'] | trim }}{% endif %}{{ '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+
+def test_generation_blocks_render_and_mask_as_transformers(tmp_path):
+    """A template with {% generation %} blocks renders as transformers renders it, and the mask is
+    transformers' assistant mask (return_assistant_tokens_mask): the blocks' tokens."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    folder = chat_tokenizer_folder(tmp_path / "tok", "llama3")
+    config = json.loads((folder / "tokenizer_config.json").read_text()) | {"chat_template": GENERATION_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    reference, ours = AutoTokenizer.from_pretrained(str(folder)), HFTokenizer(folder / "tokenizer.json")
+    template = load_chat_template(tokenizer_spec=str(folder))
+    for messages in CONVERSATIONS:
+        expected = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                 return_assistant_tokens_mask=True)
+        ids, mask = chat_ids_and_mask(tokenizer=ours, template=template, messages=messages)
+        assert ids == expected["input_ids"] and [int(m) for m in mask] == expected["assistant_masks"]
+        assert sum(mask) and not any(m for i, m in zip(ids, mask) if i == reference.convert_tokens_to_ids("<|eot_id|>"))

@@ -7,12 +7,17 @@ jinja2 environment (sandboxed, ``trim_blocks``/``lstrip_blocks``, its ``tojson``
 tokenizes the text without adding special tokens, which gives the ids of transformers'
 ``apply_chat_template(messages, tokenize=True)["input_ids"]``.
 
-``chat_ids_and_mask`` also marks the tokens of the assistant turns, for a loss on them only.
+``chat_ids_and_mask`` also marks the tokens of the assistant turns, for a loss on them only: a
+template's ``{% generation %}...{% endgeneration %}`` blocks where it has them (transformers'
+``return_assistant_tokens_mask``), else each assistant turn as the conversation locates it.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -23,6 +28,7 @@ from parallel3d.data.tokenizer import tokenizer_folder
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _PROBE = "\x00assistant-reply\x00"
+_GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' test for the blocks
 
 
 @dataclass(frozen=True)
@@ -89,11 +95,58 @@ def _compiled(source: str):
         # jinja's own tojson escapes HTML characters; transformers' does not
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_tracker(), loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def _generation_tracker():
+    """transformers' ``AssistantTracker``: ``{% generation %}...{% endgeneration %}`` renders its
+    body and, while ``environment.track_generation(blocks, spans)`` is active, notes the body's
+    character span in the text rendered so far."""
+    import jinja2
+    from jinja2.ext import Extension
+
+    class GenerationTracker(Extension):
+        tags = {"generation"}
+
+        def __init__(self, environment):
+            super().__init__(environment)
+            environment.extend(track_generation=self.track)
+            self._tracking = ContextVar("generation_tracker", default=None)
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_generation"), [], [], body).set_lineno(lineno)
+
+        @jinja2.pass_eval_context
+        def _generation(self, context, caller) -> str:
+            text = caller()
+            tracking = self._tracking.get()
+            if tracking is not None:
+                blocks, spans = tracking
+                start = len("".join(blocks))
+                spans.append((start, start + len(text)))
+            return text
+
+        @contextmanager
+        def track(self, blocks: list[str], spans: list[tuple[int, int]]):
+            token = self._tracking.set((blocks, spans))
+            try:
+                yield
+            finally:
+                self._tracking.reset(token)
+
+    return GenerationTracker
+
+
+def has_generation_blocks(template: ChatTemplate) -> bool:
+    """Whether the template marks the tokens to train with ``{% generation %}`` blocks."""
+    return bool(_GENERATION_TAG.search(template.source))
 
 
 def _with_reasoning_aliases(messages: list[dict]) -> list[dict]:
@@ -141,7 +194,8 @@ def end_of_turn_text(template: ChatTemplate) -> str:
 
 
 def assistant_spans(*, template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character span of each assistant turn in it.
+    """The rendered conversation and the character span of each assistant turn in it: the
+    template's ``{% generation %}`` blocks where it has them (as transformers marks them), else:
 
     A turn starts where the conversation before it, rendered with the generation prompt, ends:
     that prefix is exactly what the model sees when it is asked for this reply, so the reply and
@@ -150,6 +204,8 @@ def assistant_spans(*, template: ChatTemplate, messages: list[dict]) -> tuple[st
     turn's end instead would go wrong for templates that render the final assistant turn
     differently from earlier ones (Qwen3 drops the reasoning of turns before the last query).
     """
+    if has_generation_blocks(template):
+        return generation_spans(template=template, messages=messages)
     text = render_chat(template=template, messages=messages)
     end_of_turn = end_of_turn_text(template)
     spans = []
@@ -163,6 +219,19 @@ def assistant_spans(*, template: ChatTemplate, messages: list[dict]) -> tuple[st
         stop = text.find(end_of_turn, len(prompt))
         spans.append((len(prompt), len(text) if stop < 0 else stop + len(end_of_turn)))
     return text, spans
+
+
+def generation_spans(*, template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character span of each ``{% generation %}`` block in it,
+    as transformers renders them for its assistant masks (block by block, with the tracker on)."""
+    compiled = _compiled(template.source)
+    blocks: list[str] = []
+    spans: list[tuple[int, int]] = []
+    with compiled.environment.track_generation(blocks, spans):
+        for block in compiled.generate(messages=_with_reasoning_aliases(messages), tools=None, documents=None,
+                                       add_generation_prompt=False, **template.special_tokens):
+            blocks.append(block)
+    return "".join(blocks), spans
 
 
 def chat_ids_and_mask(*, tokenizer, template: ChatTemplate, messages: list[dict]) -> tuple[list[int], list[bool]]:
