@@ -26,6 +26,7 @@ from parallel3d.data.integrity import token_file_problem
 from parallel3d.data.sft import RowStats, SFTSpec, build_rows, records, render_sample
 from parallel3d.data.sources import Shard, documents
 from parallel3d.data.tokenizer import tokenizer_hash
+from parallel3d.progress import Progress
 
 FORMAT = 2  # bump when the token layout changes (BOS/EOS placement, held-out rule)
 
@@ -97,7 +98,7 @@ def tokenize_shard(shard: Shard, files: ShardFiles, tokenizer, text_field: str, 
                    ) -> ShardFiles:
     """Write the shard's token files (training documents; held-out ones apart)."""
     if sft is not None:
-        return _write_rows(shard, files, tokenizer, heldout_fraction, worker, sft)
+        return _write_rows(shard, files, tokenizer, heldout_fraction, worker, sft, progress)
     heldout: list[str] = []
 
     def training_documents():
@@ -115,23 +116,30 @@ def tokenize_shard(shard: Shard, files: ShardFiles, tokenizer, text_field: str, 
 
 
 def _write_rows(shard: Shard, files: ShardFiles, tokenizer, heldout_fraction: float, worker: str,
-                sft: SFTSpec) -> ShardFiles:
+                sft: SFTSpec, progress: Callable[[int], None] | None = None) -> ShardFiles:
     """Instruction records rendered and laid out in rows (parallel3d/data/sft.py): each rows file
-    with its flags file, the held-out records' apart; the counts go into the manifests."""
-    heldout: list[dict] = []
+    with its flags file, the held-out records' apart; the counts go into the manifests.
+    ``progress(records read so far)``."""
+    heldout: list[tuple[int, dict]] = []
 
     def training_records():
-        for record in records(shard, sft.fields):
+        count = 0
+        for count, record in enumerate(records(shard, sft.fields), start=1):
+            if progress is not None and count % 1000 == 0:
+                progress(count)
             if is_heldout(json.dumps(record, sort_keys=True), heldout_fraction):
-                heldout.append(record)
+                heldout.append((count - 1, record))
             else:
-                yield record
+                yield count - 1, record
+        if progress is not None:
+            progress(count)
 
     for chosen, path in ((training_records(), files.train), (heldout, files.heldout)):
         if path is None:
             continue
         stats = RowStats()
-        rows = list(build_rows((render_sample(r, sft, tokenizer) for r in chosen), sft, tokenizer.eos_id, stats))
+        samples = (render_sample(record, sft, tokenizer) for _, record in chosen)
+        rows = list(build_rows(samples, sft, tokenizer.eos_id, stats))
         meta = {"shard": str(shard.path), "tokenized_by": worker, "tokenizer": tokenizer.name,
                 "vocab_size": tokenizer.vocab_size, "rows_of": sft.seq_len + 1, "packing": sft.packing,
                 **stats.as_meta()}
@@ -147,13 +155,21 @@ def prepare_shards(shards: list[Shard], tokenizer, text_field: str, heldout_frac
     hashes, checks and tokenizes shards r, r + world, ...; then all ranks wait at ``barrier``
     for the others' shards (their digests are then remembered: nothing is hashed twice)."""
     own = range(rank, len(shards), world_size)
+    if rank == 0:  # first use can take minutes: say what is going on
+        missing = sum(not shard_files(s, tokenizer, text_field, heldout_fraction, cache_dir, sft).done() for s in shards)
+        if missing:
+            print(f"parallel3d: tokenizing {missing} of {len(shards)} shards into {cache_dir} (first use"
+                  f"{f'; {world_size} ranks share them' if world_size > 1 else ''})", flush=True)
     for i in own:
         files = shard_files(shards[i], tokenizer, text_field, heldout_fraction, cache_dir, sft)
         problem = cache_problem(files) if files.done() else None
         if problem:
             print(f"parallel3d: rebuilding cached tokens {problem}", file=sys.stderr, flush=True)
         if problem or not files.done():
-            tokenize_shard(shards[i], files, tokenizer, text_field, heldout_fraction, f"rank {rank}", sft=sft)
+            unit, who = ("record" if sft else "tok"), (f" on rank {rank}" if world_size > 1 else "")
+            with Progress(enabled=True).counter("tokenizing", unit, done=f"tokenized {shards[i].path}{who}") as update:
+                tokenize_shard(shards[i], files, tokenizer, text_field, heldout_fraction, f"rank {rank}",
+                               progress=update, sft=sft)
     if barrier is not None:
         barrier()
     files = [shard_files(s, tokenizer, text_field, heldout_fraction, cache_dir, sft) for s in shards]
