@@ -130,3 +130,101 @@ def test_prepare_data_writes_the_rows_a_run_reads(tmp_path):
     metas = [json.loads(p.read_text()) for p in (tmp_path / "cache").glob("*.json")]
     assert all(m["tokenized_by"].startswith("worker") for m in metas if "rows_of" in m)  # found, not redone
     assert len(corpus.tokens) == 20 * 65 and len(corpus.flags) == len(corpus.tokens)  # one chat a row
+
+
+# -- sources that would train nothing, and the hints that name the right key --------------------
+
+def sft_run_config(tmp_path, data, *extra):
+    tokenizer = chat_tokenizer_folder(tmp_path / "tok", "llama3")
+    return compose([f"data.sources=[{data}]", f"data.tokenizer={tokenizer}", "data.format=chat", "train.seq_len=64",
+                    f"data.cache_dir={tmp_path / 'cache'}", *extra])
+
+
+def open_training_rows(c):
+    from parallel3d.data import BatchSpec, build_train_data
+
+    return build_train_data(c.data, c.eval, BatchSpec(8, 8, c.train.seq_len), c.train.seed)
+
+
+def test_a_source_without_a_trained_token_is_refused_naming_its_roles(tmp_path):
+    """ShareGPT's roles (human/gpt) through a template that renders any role: no turn is an
+    assistant's, so nothing would train (loss 0, weight decay alone moving the weights)."""
+    records = [{"messages": [{"role": "human", "content": f"question {i}"}, {"role": "gpt", "content": "answer"}]}
+               for i in range(40)]
+    data = write_jsonl(tmp_path / "sharegpt.jsonl", records)
+    c = sft_run_config(tmp_path, data)
+    check(c, 1)  # nothing to see before the records are rendered
+    with pytest.raises(ConfigError) as err:
+        open_training_rows(c)
+    line = str(err.value)
+    assert line.startswith(f"data.sources={data}: no trained token in its 40 samples") and "\n" not in line
+    assert "roles human, gpt" in line and "'assistant'" in line and "data.train_on=all" in line
+    open_training_rows(sft_run_config(tmp_path, data, "data.train_on=all"))  # the fix it names runs
+
+
+def test_a_source_whose_samples_are_all_dropped_names_truncation(tmp_path):
+    from chat_files import chat_records
+
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(6))
+    with pytest.raises(ConfigError) as err:
+        open_training_rows(sft_run_config(tmp_path, data, "train.seq_len=8", "data.truncation=drop"))
+    assert "all 6 samples are longer than train.seq_len + 1 = 9 tokens and data.truncation=drop" in str(err.value)
+    assert "Fix: raise train.seq_len, or set data.truncation=truncate" in str(err.value)
+
+
+def test_a_template_error_names_the_record(tmp_path):
+    strict = tmp_path / "strict.jinja"  # as templates that check the roles do
+    strict.write_text("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                      "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+                      "{{ m['role'] + ': ' + m['content'] + '<|eot_id|>' }}{% endfor %}")
+    ok = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    bad = {"messages": [{"role": "assistant", "content": "b"}]}
+    data = write_jsonl(tmp_path / "chats.jsonl", [ok, ok, bad, ok])
+    with pytest.raises(ConfigError) as err:
+        open_training_rows(sft_run_config(tmp_path, data, f"data.chat_template={strict}"))
+    assert str(err.value).startswith(f"data.sources={data} record 2: the chat template {strict} fails on it "
+                                     "(roles must alternate user/assistant)")
+
+
+@pytest.mark.parametrize("records, keys, fix", [
+    ([{"prompt": "a", "response": "b"}], [], "these are prompt/response records: set data.format=prompt_response."),
+    ([{"question": "a", "answer": "b"}], [], "these are prompt/response records: set data.format=prompt_response "
+                                             "data.prompt_field=question data.response_field=answer."),
+    ([{"question": "a", "answer": "b"}], ["data.format=prompt_response"],
+     "set data.prompt_field=question data.response_field=answer."),
+    ([{"messages": [{"role": "user", "content": "a"}]}], ["data.format=prompt_response"],
+     "these are chat records: set data.format=chat."),
+])
+def test_records_of_another_format_name_the_key_that_reads_them(tmp_path, records, keys, fix):
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    with pytest.raises(ConfigError) as err:
+        check(compose([f"data.sources=[{data}]", *keys]), 1)
+    assert str(err.value).endswith(f"Fix: {fix}"), str(err.value)
+
+
+def test_a_mistyped_folder_is_named_not_the_byte_tokenizer(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "a"}]}])
+    with pytest.raises(ConfigError) as err:
+        check(compose([f"checkpoint.init_from={tmp_path / 'Llama-3-typo'}", f"data.sources=[{data}]",
+                       "data.format=chat"]), 1)
+    assert str(err.value).startswith(f"checkpoint.init_from={tmp_path / 'Llama-3-typo'}: no such file or folder")
+
+
+def test_too_little_held_out_data_counts_records_not_padding(tmp_path):
+    """eval.fraction on chat records: the refusal counts the records held out (several per packed
+    row), not the padding tokens that share the eos id."""
+    from chat_files import chat_records
+
+    from parallel3d.data import open_eval_corpus
+    from parallel3d.data.checks import check_heldout
+    from parallel3d.data.shards import is_heldout
+
+    records = chat_records(60)
+    data = write_jsonl(tmp_path / "chats.jsonl", records)
+    c = sft_run_config(tmp_path, data, "eval.fraction=0.2")
+    held_out = open_eval_corpus(c.data, c.eval, seq_len=64)
+    expected = sum(is_heldout(json.dumps(r, sort_keys=True), 0.2) for r in records)
+    rows = len(held_out.tokens) // 65
+    assert 0 < rows < expected  # packed: fewer rows than records
+    with pytest.raises(ConfigError, match=rf"^eval\.fraction=0\.2: it held out {expected} records in {rows} rows"):
+        check_heldout(held_out, seq_len=64, global_batch_size=rows + 1, eval_cfg=c.eval)

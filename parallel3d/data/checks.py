@@ -13,13 +13,17 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
+
 from parallel3d.base import ConfigError, RunError
-from parallel3d.data.chat import assistant_spans, load_chat_template
-from parallel3d.data.sources import DataError, Shard, is_token_file, resolve
+from parallel3d.data.chat import assistant_spans, has_generation_blocks, load_chat_template
+from parallel3d.data.sft import STARTS, TRAINED, records
+from parallel3d.data.sources import DataError, Shard, is_token_file, missing_field_fix, resolve
 
 
 def check_data(cfg) -> None:
     d, e = cfg.data, cfg.eval
+    _check_init_from_tokenizer(cfg)
     check_instruction_data(d)
     fields = {"text": [d.text_field], "chat": ["messages"]}.get(d.format, [d.prompt_field, d.response_field])
     for key, paths in (("data.sources", d.sources), ("eval.sources", e.sources)):
@@ -33,7 +37,7 @@ def check_data(cfg) -> None:
             try:
                 for shard in resolve(path):
                     for name in fields:
-                        _check_header(shard, name)
+                        _check_header(shard, name, d.format)
             except DataError as e:  # named by the key that lists the file
                 raise ConfigError(key, e.where, e.problem, e.fix) from None
     if d.weights is not None:
@@ -59,6 +63,27 @@ def check_data(cfg) -> None:
                           "eval.every must be >= 0 and eval.batches >= 1", "use e.g. eval.every=100 eval.batches=4")
     if not d.sources and d.source == "file" and d.path and Path(d.path).expanduser().is_file():
         _check_token_file(Path(d.path).expanduser(), cfg.model.vocab_size)
+
+
+def _check_init_from_tokenizer(cfg) -> None:
+    """Instruction data whose tokenizer was to come from ``checkpoint.init_from`` but did not (a
+    mistyped path leaves the byte tokenizer): the folder is named, not the tokenizer it left."""
+    init_from, d = cfg.checkpoint.init_from, cfg.data
+    if not init_from or d.format == "text" or d.tokenizer != "byte":
+        return
+    path = Path(str(init_from)).expanduser()
+    if not path.exists():
+        raise ConfigError("checkpoint.init_from", init_from, "no such file or folder", "check the path (a Hugging "
+                          "Face folder: config.json, *.safetensors and its tokenizer files)")
+    is_hf = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    if is_hf:
+        raise ConfigError("checkpoint.init_from", init_from, "the folder has no tokenizer.json, so the run would "
+                          "use the byte tokenizer", "copy the model's tokenizer files into it, or set "
+                          "data.tokenizer=TOKENIZER_DIR")
+    ours = (path / "COMPLETE").is_file() or (path / "checkpoints").is_dir() or any(path.glob("step_*/COMPLETE"))
+    if not ours:
+        raise ConfigError("checkpoint.init_from", init_from, "not a Hugging Face folder (config.json + "
+                          "*.safetensors) nor a checkpoint", "check the path")
 
 
 def check_instruction_data(d) -> None:
@@ -103,7 +128,7 @@ def _check_token_file(path: Path, model_vocab: int, key: str = "data.path") -> N
                           f"model.vocab_size={model_vocab}", f"use model.vocab_size >= {vocab}")
 
 
-def _check_header(shard: Shard, text_field: str) -> None:
+def _check_header(shard: Shard, text_field: str, data_format: str = "text") -> None:
     """The cheap part of reading: metadata and the first record."""
     import pyarrow as pa
 
@@ -125,7 +150,7 @@ def _check_header(shard: Shard, text_field: str) -> None:
     if names is not None and text_field not in names:
         where = f"{shard.path} line 1" if shard.kind == "json" else f"{shard.path} row 0"
         raise DataError(where, f"no '{text_field}' field (fields: {', '.join(names)[:80]})",
-                        "set data.text_field to the field that holds the text")
+                        missing_field_fix(names, data_format=data_format))
 
 
 def _first_json_record_fields(shard: Shard) -> list[str] | None:
@@ -147,10 +172,48 @@ def check_corpus(corpus, seq_len: int, data_cfg) -> None:
     where = getattr(corpus, "path", None) or data_cfg.path or ", ".join(getattr(data_cfg, "sources", None) or [])
     sources = getattr(corpus, "sources", None)
     size = len(corpus) if sources is None else sum(len(a) for s in sources for a in s.arrays)
-    if size < seq_len + 1:
-        raise RunError(f"{where or 'the corpus'} holds {size} tokens, fewer than one sequence of "
-                       f"train.seq_len={seq_len} needs ({seq_len + 1}). Fix: prepare more data "
-                       f"(parallel3d-prepare-data) or lower train.seq_len")
+    if size >= seq_len + 1:
+        return
+    if sources is not None and sources[0].flags is not None:  # instruction rows: any sample fills a padded row
+        raise RunError(f"{where or 'the corpus'} holds no instruction record. Fix: give records in data.sources")
+    raise RunError(f"{where or 'the corpus'} holds {size} tokens, fewer than one sequence of "
+                   f"train.seq_len={seq_len} needs ({seq_len + 1}). Fix: prepare more data "
+                   f"(parallel3d-prepare-data) or lower train.seq_len")
+
+
+def check_rows(*, key: str, path: str, metas: list[dict], data_cfg, seq_len: int) -> None:
+    """Refuse an instruction source that would train nothing, in one line naming it: every sample
+    left out (``data.truncation=drop``), or rows without a trained token (roles the template does
+    not train, or every sample cut before its reply). ``metas``: its rows files' manifests."""
+    total = {k: sum(m.get(k, 0) for m in metas) for k in ("samples", "rows", "trained_tokens", "dropped")}
+    if total["samples"] == 0 or total["trained_tokens"] > 0:
+        return  # an empty source: check_corpus and check_heldout say so
+    if total["rows"] == 0:
+        raise ConfigError(key, path, f"all {total['dropped']} samples are longer than train.seq_len + 1 = {seq_len + 1} "
+                          f"tokens and data.truncation=drop leaves them out", "raise train.seq_len, or set "
+                          "data.truncation=truncate (a sample keeps its beginning)")
+    roles = roles_seen(path) if data_cfg.format == "chat" else []
+    template = load_chat_template(tokenizer_spec=data_cfg.tokenizer, template_file=data_cfg.chat_template)
+    blocks = template is not None and has_generation_blocks(template)
+    if data_cfg.format == "chat" and ("assistant" not in roles or blocks):
+        marked = ("the chat template's {% generation %} blocks mark none of their tokens" if blocks else
+                  "data.train_on=assistant trains the turns of role 'assistant' only")
+        raise ConfigError(key, path, f"no trained token in its {total['samples']} samples: their messages have the "
+                          f"roles {', '.join(roles)}, and {marked}", "name the replies' role 'assistant' (and the "
+                          "prompts' 'user'), or set data.train_on=all to train every token")
+    raise ConfigError(key, path, f"no trained token in its {total['samples']} samples: each is cut to train.seq_len + 1 "
+                      f"= {seq_len + 1} tokens before its first reply token", "raise train.seq_len")
+
+
+def roles_seen(path: str, limit: int = 10_000) -> list[str]:
+    """The message roles of a chat source's first ``limit`` records, in order of appearance."""
+    seen: dict[str, None] = {}
+    for shard in resolve(path):
+        for index, record in enumerate(records(shard, ["messages"])):
+            seen.update((m["role"], None) for m in record["messages"])
+            if index >= limit:
+                break
+    return list(seen)
 
 
 def check_heldout(corpus, *, seq_len: int, global_batch_size: int, eval_cfg) -> None:
@@ -162,11 +225,30 @@ def check_heldout(corpus, *, seq_len: int, global_batch_size: int, eval_cfg) -> 
     windows = tokens // (seq_len + 1) if rows else max(tokens - 1, 0) // seq_len
     if windows >= global_batch_size:
         return
-    needs = f"one evaluation batch needs {global_batch_size * seq_len + 1} (train.global_batch_size x train.seq_len + 1)"
+    if rows:
+        needs = f"one evaluation batch needs {global_batch_size} rows of train.seq_len + 1 tokens (train.global_batch_size)"
+        held = f"{sample_count(corpus, seq_len + 1)} records in {windows} rows"
+    else:
+        needs = (f"one evaluation batch needs {global_batch_size * seq_len + 1} (train.global_batch_size x "
+                 f"train.seq_len + 1)")
+        held = f"{sum(int((a == corpus.eos_id).sum()) for s in corpus.sources for a in s.arrays)} documents ({tokens} tokens)"
     if eval_cfg.sources:
-        raise ConfigError("eval.sources", list(eval_cfg.sources), f"they hold {tokens} tokens; {needs}",
-                          "give more held-out data, or lower train.seq_len")
-    documents = sum(int((a == corpus.eos_id).sum()) for s in corpus.sources for a in s.arrays)
-    raise ConfigError("eval.fraction", eval_cfg.fraction, f"it held out {documents} documents ({tokens} tokens) "
-                      f"of data.sources; {needs}", "raise eval.fraction (each document is held out with that "
-                      "chance), or give held-out files in eval.sources")
+        raise ConfigError("eval.sources", list(eval_cfg.sources), f"they hold {held if rows else f'{tokens} tokens'}; "
+                          f"{needs}", "give more held-out data" + ("" if rows else ", or lower train.seq_len"))
+    raise ConfigError("eval.fraction", eval_cfg.fraction, f"it held out {held} of data.sources; {needs}",
+                      f"raise eval.fraction (each {'record' if rows else 'document'} is held out with that chance), "
+                      "or give held-out files in eval.sources")
+
+
+def sample_count(corpus, width: int) -> int:
+    """Instruction samples in ``corpus``'s rows of ``width`` tokens: the segments that start in
+    them, less each row's padding (a last segment of untrained pad tokens, the eos id)."""
+    count = 0
+    for source in corpus.sources:
+        for tokens, flags in zip(source.arrays, source.flags):
+            for row, bits in zip(np.asarray(tokens).reshape(-1, width), np.asarray(flags).reshape(-1, width)):
+                starts = np.flatnonzero(bits & STARTS)
+                count += len(starts)
+                if len(starts) and not (bits[starts[-1]:] & TRAINED).any() and (row[starts[-1]:] == corpus.eos_id).all():
+                    count -= 1
+    return count

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from parallel3d.base import RunError
+from parallel3d.data.checks import check_rows
 from parallel3d.data.dataset import TokenFile, stdlib_token_file
 from parallel3d.data.integrity import prepared_file_problem
 from parallel3d.data.mixture import MixtureSampler, SourceTokens
@@ -76,10 +77,11 @@ def _checked_token_file(path: str, cache_dir: str) -> TokenFile:
 
 
 def open_sources(paths: list[str], data_cfg, heldout_fraction: float, workers: Workers = Workers(),
-                 heldout: bool = False, seq_len: int = 0) -> Corpus:
+                 heldout: bool = False, seq_len: int = 0, key: str = "data.sources") -> Corpus:
     """The sources' token streams, tokenizing what the cache lacks. ``heldout``: the held-out
     documents instead of the training ones. ``seq_len``: the rows' length for instruction data
-    (``data.format`` other than text; 0: text)."""
+    (``data.format`` other than text; 0: text); an instruction source that trains no token is
+    refused (checks.check_rows), naming ``key``, the config key that lists it."""
     tokenizer = load_tokenizer(data_cfg.tokenizer)
     sft = SFTSpec.from_config(data_cfg, seq_len) if seq_len else None
     shards = [[] if is_token_file(p) else resolve(p) for p in paths]
@@ -98,6 +100,8 @@ def open_sources(paths: list[str], data_cfg, heldout_fraction: float, workers: W
         sources.append(SourceTokens(name, [TokenFile(f).tokens for f in chosen], flags))
         if sft and workers.rank == 0:
             _report_rows(name, chosen, heldout)
+        if sft:  # every rank: they all stop, with the same line
+            check_rows(key=key, path=path, metas=[TokenFile(f).meta for f in chosen], data_cfg=data_cfg, seq_len=seq_len)
     return Corpus(sources, tokenizer.eos_id, tokenizer.bos_id, tokenizer.vocab_size)
 
 
@@ -128,7 +132,7 @@ def open_eval_corpus(data_cfg, eval_cfg, workers: Workers = Workers(), seq_len: 
     """The held-out token stream: ``eval.sources``, else the ``eval.fraction`` of the training
     sources' documents that training never sees; None when neither is set."""
     if eval_cfg.sources:
-        return open_sources(list(eval_cfg.sources), data_cfg, 0.0, workers, seq_len=seq_len)
+        return open_sources(list(eval_cfg.sources), data_cfg, 0.0, workers, seq_len=seq_len, key="eval.sources")
     if eval_cfg.fraction > 0 and data_cfg.sources:
         return open_sources(list(data_cfg.sources), data_cfg, eval_cfg.fraction, workers, heldout=True, seq_len=seq_len)
     return None

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from parallel3d.data.chat import ChatTemplate, chat_ids_and_mask, load_chat_template
-from parallel3d.data.sources import DataError, Shard
+from parallel3d.data.sources import DataError, Shard, missing_field_fix
 
 TRAINED, STARTS = 1, 2  # flag bits of a token in a row
 IGNORE = -100  # the target of an untrained position (cross entropy's ignore_index)
@@ -118,7 +118,8 @@ def _table_records(shard: Shard, fields: list[str]) -> Iterator[dict]:
     if missing:
         names = ", ".join(table.column_names)[:80]
         raise DataError(f"{shard.path} row 0", f"no '{missing[0]}' field (fields: {names})",
-                        "set data.prompt_field / data.response_field, or give chat records a 'messages' list")
+                        missing_field_fix(table.column_names, data_format="chat" if fields == ["messages"]
+                                          else "prompt_response"))
     for row, record in enumerate(table.select(fields).to_pylist()):
         yield _checked(record, fields, f"{shard.path} row {row}")
 

@@ -24,7 +24,7 @@ import numpy as np
 from parallel3d.data.dataset import token_dtype, write_array_file, write_token_file
 from parallel3d.data.integrity import token_file_problem
 from parallel3d.data.sft import RowStats, SFTSpec, build_rows, records, render_sample
-from parallel3d.data.sources import Shard, documents
+from parallel3d.data.sources import DataError, Shard, documents
 from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.progress import Progress
 
@@ -138,7 +138,7 @@ def _write_rows(shard: Shard, files: ShardFiles, tokenizer, heldout_fraction: fl
         if path is None:
             continue
         stats = RowStats()
-        samples = (render_sample(record, sft, tokenizer) for _, record in chosen)
+        samples = (rendered(shard, index, record, sft, tokenizer) for index, record in chosen)
         rows = list(build_rows(samples, sft, tokenizer.eos_id, stats))
         meta = {"shard": str(shard.path), "tokenized_by": worker, "tokenizer": tokenizer.name,
                 "vocab_size": tokenizer.vocab_size, "rows_of": sft.seq_len + 1, "packing": sft.packing,
@@ -146,6 +146,18 @@ def _write_rows(shard: Shard, files: ShardFiles, tokenizer, heldout_fraction: fl
         write_array_file((f for _, f in rows), np.uint8, flags_file(path), meta)
         write_array_file((t for t, _ in rows), token_dtype(tokenizer), path, meta)  # its manifest: done
     return files
+
+
+def rendered(shard: Shard, index: int, record: dict, sft: SFTSpec, tokenizer) -> tuple[list[int], list[bool]]:
+    """``render_sample`` of record ``index`` (0-based, in file order) of ``shard``; a chat template
+    that fails on it (its raise_exception, a turn it cannot place) is a DataError naming the record."""
+    try:
+        return render_sample(record, sft, tokenizer)
+    except Exception as e:  # jinja2's errors, or the ValueError of a template whose turns cannot be located
+        template = sft.template.origin if sft.template is not None else "the chat template"
+        problem = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise DataError(f"{shard.path} record {index}", f"the chat template {template} fails on it ({problem})",
+                        "fix that record (or the template: data.chat_template=FILE)") from None
 
 
 def prepare_shards(shards: list[Shard], tokenizer, text_field: str, heldout_fraction: float,

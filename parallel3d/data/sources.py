@@ -234,7 +234,31 @@ def _read_json_array(shard: Shard, text_field: str):
 def _require_field(shard: Shard, names: list[str], text_field: str) -> None:
     if text_field not in names:
         raise DataError(f"{shard.path} row 0", f"no '{text_field}' field (fields: {', '.join(names)[:80]})",
-                        "set data.text_field to the field that holds the text")
+                        missing_field_fix(names, data_format="text"))
+
+
+_PROMPTS = ("prompt", "instruction", "question", "query", "input")
+_RESPONSES = ("response", "output", "answer", "completion", "chosen")
+
+
+def missing_field_fix(names: list[str], *, data_format: str) -> str:
+    """The fix for records that lack the field ``data_format`` reads: the key that reads what
+    they hold (chat or prompt/response records read as text, say), else the field keys."""
+    prompt = next((n for n in _PROMPTS if n in names), None)
+    response = next((n for n in _RESPONSES if n in names), None)
+    if "messages" in names and data_format != "chat":
+        return "these are chat records: set data.format=chat"
+    if prompt and response and data_format != "prompt_response":
+        return (f"these are prompt/response records: set data.format=prompt_response"
+                + (f" data.prompt_field={prompt}" if prompt != "prompt" else "")
+                + (f" data.response_field={response}" if response != "response" else ""))
+    if data_format == "prompt_response":
+        if prompt and response:
+            return f"set data.prompt_field={prompt} data.response_field={response}"
+        return "set data.prompt_field and data.response_field to the fields that hold the prompt and the response"
+    if data_format == "chat":
+        return "give each record a 'messages' list of {role, content}, or use data.format=prompt_response"
+    return "set data.text_field to the field that holds the text"
 
 
 def _check_column(shard: Shard, column, text_field: str, first_row: int) -> None:
