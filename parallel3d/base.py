@@ -58,3 +58,11 @@ def parse_size(text: str, *, bare_unit: int = 1) -> int:
     if unit is None or (unit and unit not in SIZE_UNITS):
         raise ValueError(f"not a size: {text!r} (say 5GB, 500MB, 80GiB or a number)")
     return int(float(match.group(1)) * (SIZE_UNITS[unit] if unit else bare_unit))
+
+
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+    """Every rank's ``tensor`` of ``group`` into ``output`` (rank-major): ``dist.all_gather_single``
+    where torch has it (there ``all_gather_into_tensor`` is deprecated and warns on every run),
+    else ``all_gather_into_tensor``, its older name."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)

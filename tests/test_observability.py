@@ -106,3 +106,27 @@ def test_out_of_memory_is_one_line_naming_the_fix(tmp_path):
     assert all(map(is_communication, ["c10d::allreduce_", "gloo:all_gather", "nccl:all_reduce",
                                       "_c10d_functional::wait_tensor", "ncclDevKernel_AllGather_RING_LL"]))
     assert not any(map(is_communication, ["aten::mm", "aten::copy_", "Optimizer.step#AdamW.step"]))
+
+
+def test_our_collectives_use_torchs_current_names():
+    """Every multi-rank run printed torch's FutureWarning for ``all_gather_into_tensor``: the
+    meter's per-rank gather and context parallelism's document-id gather call it under its current
+    name (``all_gather_single``), here on a one-rank gloo group with FutureWarning an error."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from parallel3d.observe.meter import gather_per_rank
+    from parallel3d.parallel.context import alltoall_attention
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            assert gather_per_rank([1.0, 2.0], torch.device("cpu")) == [[1.0, 2.0]]
+            q = torch.randn(1, 2, 4, 8)
+            out = alltoall_attention(q, q, q, torch.zeros(1, 4, dtype=torch.long), dist.group.WORLD, 1)
+            assert out.shape == q.shape
+    finally:
+        dist.destroy_process_group()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from parallel3d.base import rank
+from parallel3d.base import all_gather_single, rank
 from parallel3d.models import flops_per_token
 from parallel3d.observe.metrics import max_memory_bytes, model_state_bytes, peak_flops
 from parallel3d.runtime.straggler import StragglerWatch, burn, gather_hostnames
@@ -99,7 +99,7 @@ def gather_per_rank(values: list[float], device: torch.device) -> list[list[floa
     if not dist.is_initialized():
         return [list(values)]
     every = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(every, mine)
+    all_gather_single(every, mine)
     return every.view(dist.get_world_size(), len(values)).tolist()
 
 

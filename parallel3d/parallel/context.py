@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel3d.base import all_gather_single
 from parallel3d.models.llama import LocalAttention
 
 CP_METHODS = ("alltoall", "ring")
@@ -126,7 +127,7 @@ def alltoall_attention(q, k, v, doc_ids, group, cp: int):
     if doc_ids is not None:
         b = doc_ids.shape[0]
         gathered = doc_ids.new_empty((cp * b, s))  # rank-major, as gloo's all-gather wants it
-        dist.all_gather_into_tensor(gathered, doc_ids.contiguous(), group=group)
+        all_gather_single(gathered, doc_ids.contiguous(), group=group)
         doc_ids = gathered.view(cp, b, s).transpose(0, 1).reshape(b, cp * s).index_select(1, natural)
     out = local_attention(q, k, v, doc_ids).index_select(2, rank_order)
     return _heads_to_seq(out, group, cp)
