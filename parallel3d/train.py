@@ -54,7 +54,7 @@ from parallel3d.runtime.guard import BadStepGuard, TrainingDiverged
 from parallel3d.runtime.process_group import init_distributed, report_hangs_in
 from parallel3d.runtime.rundir import (agree_on_run_dir, output_dir_is_run_dir, own_run_dir, register_rank0_dir,
                                        release_run_dir, unwritable_run_dir)
-from parallel3d.runtime.signals import Interrupted, Stopped, StopSignals, interruptible
+from parallel3d.runtime.signals import Interrupted, Stopped, StopSignals, interruptible, resume_command
 from parallel3d.step import Setup, build_setup, reduce_loss, train_step
 from parallel3d.validate import check
 
@@ -359,8 +359,9 @@ def run_job(cfg: DictConfig) -> None:
             time.sleep(2)
         sys.exit(2 if isinstance(e, ConfigError) else 3)
     except (Stopped, Interrupted) as e:
-        if rank() == 0:
-            print(f"parallel3d: {e}", file=sys.stderr, flush=True)
+        if rank() == 0:  # the command with its run_dir: without it a new start makes a new folder
+            resume = resume_command(overrides=command_line(), run_dir=_known_run_dir(cfg))
+            print(f"parallel3d: {e}; resume with: {resume}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REQUEUE)
     except KeyboardInterrupt:  # a second Ctrl-C
         sys.exit(EXIT_INTERRUPTED)

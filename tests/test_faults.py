@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -125,30 +126,66 @@ def test_an_unwritable_run_dir_is_one_line(tmp_path):
     assert_one_line_error(run, "not writable", "Fix: set run_dir=")
 
 
-def terminate_after_two_steps(proc: subprocess.Popen, metrics: Path) -> str:
-    """SIGTERM ``proc`` once its run has logged two steps; its stderr after it exits."""
+def terminate_after_two_steps(proc: subprocess.Popen, metrics: Path | str) -> str:
+    """SIGTERM ``proc`` once its run has logged two steps (``metrics``: the file, or a glob under
+    cwd for a run_dir Hydra names); its stderr after it exits."""
     deadline = time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+
+    def logged() -> int:
+        found = [metrics] if isinstance(metrics, Path) else list(Path.cwd().glob(metrics))
+        return max((len(m.read_text().splitlines()) for m in found if m.exists()), default=0)
+
+    while logged() < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     return proc.communicate(timeout=120)[1]
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_for_a_requeue(tmp_path):
+def test_sigterm_finishes_the_step_saves_and_exits_for_a_requeue(tmp_path, monkeypatch):
     """Preemption: the step in flight completes, a checkpoint of it is written (checkpoint.every=0:
-    none otherwise), exit 75; the next start resumes from it."""
-    run_dir = tmp_path / "run"
-    args = [*FAST, "train.steps=400", f"run_dir={run_dir}"]
+    none otherwise), exit 75, and one line says the command that resumes it: this run was given no
+    run_dir (Hydra made outputs/DATE/TIME), so the same command would start afresh; the printed
+    one, run as it is, resumes from that checkpoint and finishes the run."""
+    monkeypatch.chdir(tmp_path)
+    args = [*FAST, "train.steps=60"]
     proc = subprocess.Popen([sys.executable, "-m", "parallel3d.train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env(), cwd=tmp_path)
-    metrics = run_dir / "metrics.jsonl"
-    err = terminate_after_two_steps(proc, metrics)
+    err = terminate_after_two_steps(proc, "outputs/*/*/metrics.jsonl")
     assert proc.returncode == 75, err[-3000:]
-    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
-    assert 2 <= last < 400
-    assert (run_dir / "checkpoints" / f"step_{last}" / "COMPLETE").is_file()
-    assert f"stopped by SIGTERM after step {last}; checkpoint {run_dir / 'checkpoints' / f'step_{last}'}" in err
+    (run_dir,) = [p.resolve() for p in (tmp_path / "outputs").glob("*/*") if (p / "metrics.jsonl").is_file()]
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert 2 <= last < 60
+    checkpoint = run_dir / "checkpoints" / f"step_{last}"
+    assert (checkpoint / "COMPLETE").is_file()
+    (line,) = [x for x in err.splitlines() if x.startswith("parallel3d: stopped by SIGTERM")]
+    assert line.startswith(f"parallel3d: stopped by SIGTERM after step {last}; checkpoint {checkpoint}; exit 75; "
+                           f"resume with: ")
+    command = line.split("resume with: ", 1)[1]
+    assert command.endswith(f"{' '.join(args)} run_dir={run_dir}"), command
     assert "SIGTERM during step" in err and not (run_dir / ".lock").exists()
+    resumed = subprocess.run(shlex.split(command), capture_output=True, text=True, env=env(), cwd=tmp_path,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoint}" in resumed.stdout
+    steps = [json.loads(row)["step"] for row in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 61))
+
+
+def test_the_resume_command_names_the_launcher_and_the_run_dir(tmp_path, monkeypatch):
+    """Under torchrun the command is its agent's (our parent process), options kept."""
+    from parallel3d.runtime import signals
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    command = signals.resume_command(overrides=["train.steps=5", "run_dir=old", "data.sources=[a b.jsonl]"],
+                                     run_dir=tmp_path / "run")
+    assert shlex.split(command)[-3:] == ["train.steps=5", "data.sources=[a b.jsonl]", f"run_dir={tmp_path / 'run'}"]
+    assert shlex.split(command)[1:3] == ["-m", "parallel3d.train"]
+    agent = ["python", "-m", "torch.distributed.run", "--nproc-per-node=4", "-m", "parallel3d.train", "x=1"]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setattr(signals, "parent_argv", lambda: agent)
+    assert signals.launcher() == agent[:-1]
+    monkeypatch.setattr(signals, "parent_argv", lambda: ["/venv/bin/python", "/venv/bin/torchrun", *agent[3:]])
+    assert signals.launcher() == ["/venv/bin/torchrun", *agent[3:-1]]  # the entry point, not its interpreter
 
 
 @pytest.mark.multirank

@@ -3,11 +3,16 @@
 ``StopSignals`` turns SIGTERM (preemption; what torchrun forwards to its workers) and SIGUSR1
 (Slurm's warning before the time limit, forwarded by the batch script) into "stop after this
 step, with a checkpoint", and the run exits ``EXIT_REQUEUE``. The first Ctrl-C does the same and
-says where the run is; a second one exits at once.
+says where the run is; a second one exits at once. ``resume_command`` is the command that
+continues the run: the same launcher and overrides, with the run's own ``run_dir=`` (without it a
+new start would make a new timestamped folder and train from step 1).
 """
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import signal
 import sys
 from contextlib import contextmanager
@@ -17,6 +22,9 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.runtime.failures import EXIT_REQUEUE
+from parallel3d.runtime.rundir import key_of
+
+MODULE = "parallel3d.train"
 
 
 class Stopped(Exception):
@@ -24,8 +32,39 @@ class Stopped(Exception):
 
     def __init__(self, step: int, checkpoint: Path, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}; "
-                         f"exit {EXIT_REQUEUE}: start the same command again to resume")
+                         f"exit {EXIT_REQUEUE}")
         self.step, self.checkpoint = step, checkpoint
+
+
+def resume_command(*, overrides: list[str], run_dir: str | Path | None) -> str:
+    """The shell command that continues this run: how it was started (``launcher``), its
+    overrides, and ``run_dir=`` the run's own folder in place of any given (None: unknown)."""
+    if run_dir is None:
+        return shlex.join([*launcher(), *overrides])
+    args = [a for a in overrides if key_of(a) != "run_dir"] + [f"run_dir={Path(run_dir).expanduser().resolve()}"]
+    return shlex.join([*launcher(), *args])
+
+
+def launcher() -> list[str]:
+    """How this process was started, up to the module: under torchrun its agent's command (our
+    parent's: torchrun's options kept), else ``python -m parallel3d.train``."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        try:
+            argv = parent_argv()
+            argv = argv[: argv.index(MODULE) + 1]
+            if len(argv) > 1 and Path(argv[1]).name in ("torchrun", "parallel3d-run"):
+                argv = argv[1:]  # an entry point run by its interpreter: the name a user types
+            return argv
+        except (OSError, ValueError):  # not Linux, or another launcher
+            return ["torchrun", f"--nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', '1')}", "-m", MODULE]
+    which = shutil.which("python")
+    same = which is not None and os.path.realpath(which) == os.path.realpath(sys.executable)
+    return ["python" if same else sys.executable, "-m", MODULE]
+
+
+def parent_argv() -> list[str]:
+    """The command line of this process's parent (Linux; OSError elsewhere)."""
+    return [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
 
 
 def last_checkpoint(checkpoints: Path) -> str:
@@ -97,8 +136,8 @@ class Interrupted(Exception):
     """A stop signal before the first step (while the data is prepared): nothing to checkpoint."""
 
     def __init__(self, signum: int, what: str):
-        super().__init__(f"stopped by {signal.Signals(signum).name} while {what}, before the first step; exit "
-                         f"{EXIT_REQUEUE}: start the same command again (finished shards are kept)")
+        super().__init__(f"stopped by {signal.Signals(signum).name} while {what}, before the first step "
+                         f"(finished shards are kept); exit {EXIT_REQUEUE}")
         self.signum = signum
 
 
