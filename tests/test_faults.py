@@ -203,6 +203,10 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_
     assert (run_dir / "checkpoints" / f"step_{last}" / "COMPLETE").is_file(), err[-3000:]
     assert f"stopped by SIGTERM after step {last}" in err
     assert "exitcode  : 75" in err or "exitcode: 75" in err or "exit 75" in err
+    # the command that resumes: torchrun's, as started, with the run's overrides and run_dir
+    resume = (f"resume with: {sys.executable} -m torch.distributed.run --standalone --nproc-per-node=2 -m "
+              f"parallel3d.train {' '.join(args[:-1])} run_dir={run_dir.resolve()}")
+    assert resume in err, err[-3000:]
 
 
 def test_stop_signals_agree_ctrl_c_twice_exits_at_once(tmp_path, capsys):
