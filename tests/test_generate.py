@@ -162,6 +162,13 @@ def test_chat_prompt_equals_transformers_chat_template(trained, capsys):
             assert printed_ids(capsys) == hf_greedy(reference, prompt, 16), (model, text)
 
 
+def test_the_run_says_what_it_tokenizes(trained):
+    """First use of data.sources inside a run: a line before the work and one per shard after it."""
+    out = trained.run.stdout
+    assert out.count("parallel3d: tokenizing 1 of 1 shards into ") == 2  # the chats, then the held-out ones
+    assert f"parallel3d: tokenized {trained.run.run_dir.parent / 'chats.jsonl'} (90 record, " in out
+
+
 def test_end_tokens_are_the_folders(tmp_path):
     """A folder's end tokens are generation_config.json's eos_token_id (an id or a list), else
     config.json's, as transformers reads them; a run's are those its export writes."""
