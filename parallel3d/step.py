@@ -25,7 +25,7 @@ from parallel3d.data import BatchSpec
 from parallel3d.data.documents import document_inputs, document_positions
 from parallel3d.models import Transformer
 from parallel3d.optim.adamw import build_optimizer
-from parallel3d.optim.clip import clip_grad_norm_, settle_gradients
+from parallel3d.optim.clip import clip_grad_norm_, perturb_gradients, settle_gradients
 from parallel3d.optim.muon import build_muon_adamw
 from parallel3d.optim.schedule import build_lr_scheduler
 from parallel3d.parallel import ParallelPlan, parallelize
@@ -171,6 +171,9 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard
     if guard is not None and guard.inject_nan:  # debug.nan_steps
         poison(loss_sum, params)
     settle_gradients(params)
+    if c.debug.grad_noise:  # the parity tests' perturbed reference (one process): before the norm, as round-off
+        perturb_gradients(params, relative=c.debug.grad_noise, seed=c.train.seed, draw=c.debug.grad_noise_draw,
+                          step=s.scheduler.last_epoch + 1)
     if s.tied is not None:
         s.tied.sync_gradients()
     grad_norm = clip_grad_norm_(params, c.train.grad_clip, uncounted=s.tied.output_copies if s.tied else (),

@@ -25,6 +25,7 @@ from parallel3d.hf.lora import check_adapter_export
 from parallel3d.models.lora import check_lora
 from parallel3d.models.mla import check_attention
 from parallel3d.optim.adamw import IMPLEMENTATIONS as OPTIM_IMPLEMENTATIONS
+from parallel3d.optim.clip import check_grad_noise
 from parallel3d.optim.muon import OPTIMIZERS, check_muon_config
 from parallel3d.optim.schedule import LR_SCHEDULES
 from parallel3d.parallel.activation import AC_MODES
@@ -83,6 +84,7 @@ def check(cfg, world_size: int, device: str | None = None):
     check_float8(cfg.train, cfg.parallel)
     _check_batch(cfg.train, cfg.parallel, cfg.model)
     check_bad_step_config(cfg.train, cfg.debug)
+    check_grad_noise(cfg.debug, cfg.checkpoint, world_size)
     _check_pipeline(cfg.parallel, cfg.train, cfg.model)
     _check_context(cfg.parallel, cfg.train, cfg.model)
     _check_optim(cfg.optim, cfg.train.steps)

@@ -266,6 +266,12 @@ class DebugConfig:
     nan_steps: list[int] = field(default_factory=list)  # every rank's loss and gradients NaN at these steps
     slow_rank: Optional[int] = None  # this rank computes slow_rank_s longer every step
     slow_rank_s: float = 0.2
+    # One process only: every gradient, after backward, gets Gaussian noise of this size relative to
+    # its tensor's root mean square (seeded by train.seed, grad_noise_draw and the step). The parity
+    # tests train their one-process reference once with it to measure how far float32 round-off
+    # carries (tests/parity_tolerance.py); another draw is another sample of that noise.
+    grad_noise: float = 0.0
+    grad_noise_draw: int = 0
 
 
 @dataclass

@@ -1,10 +1,17 @@
-"""Gradients after backward: placements settled once, and the global norm over every shard, clipped."""
+"""Gradients after backward: placements settled once, and the global norm over every shard, clipped;
+under the test-only ``debug.grad_noise``, perturbed by the size of float32 round-off first."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from parallel3d.base import ConfigError
+
+# Above this a perturbation is no longer the size of float32 round-off (unit round-off 6e-8): the
+# key would then measure something other than what the parity tests derive their tolerances from.
+MAX_GRAD_NOISE = 1e-5
 
 
 @torch.no_grad()
@@ -20,6 +27,44 @@ def settle_gradients(params) -> None:
     for p in params:
         if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(placements=p.placements)
+
+
+def check_grad_noise(debug, checkpoint, world_size: int) -> None:
+    """ConfigErrors for debug.grad_noise: a perturbation of one process's gradients, for the parity
+    tests' measurement of the reference's own sensitivity; refused where it could change real training."""
+    noise = debug.grad_noise
+    if noise == 0:
+        return
+    if not 0 < noise <= MAX_GRAD_NOISE:
+        raise ConfigError("debug.grad_noise", noise, f"not a round-off-sized perturbation in (0, {MAX_GRAD_NOISE:g}]",
+                          "use the size of float32 round-off, e.g. debug.grad_noise=1e-7, or 0 (off)")
+    if world_size != 1:
+        raise ConfigError("debug.grad_noise", noise, f"perturbs a one-process reference run, not {world_size} ranks",
+                          "run the perturbed reference with one process, or set debug.grad_noise=0")
+    if checkpoint.every or checkpoint.create_seed:
+        raise ConfigError("debug.grad_noise", noise, "a perturbed run must not write checkpoints to resume from",
+                          "set checkpoint.every=0 (and checkpoint.create_seed=false), or debug.grad_noise=0")
+
+
+@torch.no_grad()
+def perturb_gradients(params, *, relative: float, seed: int, draw: int, step: int) -> None:
+    """debug.grad_noise: add to each gradient Gaussian noise of ``relative`` times its tensor's root
+    mean square, drawn from a generator seeded by (``seed``, ``draw``, ``step``) in the parameters' order.
+
+    Relative to the tensor, not to each element: a float32 sum taken in another order rounds by
+    the size of the terms it sums, so an element that cancels to almost nothing (a gradient that is
+    pure round-off) moves by as much as a large one. That is what layouts do to each other's
+    gradients. An element that is exactly zero (the embedding row of a token no sequence of the
+    batch holds) stays zero: a sum of zeros is zero in any order.
+    """
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + draw) * 1_000_003 + step)
+    for p in params:
+        if p.grad is None:
+            continue
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # one rank: the whole tensor
+        noise = torch.randn(grad.shape, generator=generator, dtype=torch.float32).to(grad.device)
+        scale = grad.float().square().mean().sqrt() * relative
+        grad.add_((noise * scale * (grad != 0)).to(grad.dtype))
 
 
 @torch.no_grad()
