@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from parity_tolerance import Tolerance, measure, metric_spread, twin_name, twin_overrides, weight_spread
 
 RUN_TIMEOUT_S = 300
 BATCH_TIMEOUT_S = 120
@@ -110,6 +111,20 @@ def launch_batch(root: Path, layouts: dict[str, list[str]], nproc: int) -> dict[
     return runs
 
 
+def launch_measured(root: Path, overrides: list[str], steps: int, name: str = "single",
+                    **measure_args) -> tuple[Run, Tolerance]:
+    """One process trains ``overrides`` into ``root/name`` and its twin (perturbed gradients,
+    tests/parity_tolerance.py) beside it, in one launch; returns the run and the Tolerance the
+    spread between the two implies (``measure_args``: parity_tolerance.measure's)."""
+    runs = {name: overrides, twin_name(name): twin_overrides(overrides)}
+    done = launch_batch(root, runs, nproc=1)
+    for run_name, run_overrides in runs.items():
+        if run_name not in done:  # failed in the batch: again on its own, with its own errors
+            done[run_name] = launch(root / run_name, run_overrides)
+        done[run_name].assert_finished(steps)
+    return done[name], measure(done[name], done[twin_name(name)], **measure_args)
+
+
 @dataclass(frozen=True)
 class Layout:
     """One layout of a parity matrix: ``nproc`` ranks train with ``overrides`` into the run named
@@ -140,18 +155,42 @@ def final_weights(run_dir: Path) -> dict:
     return {key: tensor for path in files for key, tensor in load_file(str(path)).items()}
 
 
-def assert_matches(reference: Run, run: Run, *, rel: float = 1e-5, metrics: tuple[str, ...] = ("loss", "grad_norm"),
-                   weights: bool = False) -> None:
-    """``run`` computed what ``reference`` did: each of ``metrics``, over the logged rows that carry
-    it, within relative ``rel``; with ``weights``, the final weights (``final_weights``) within
-    ``rel`` relative and absolute."""
-    for key in metrics:
-        got, want = [r[key] for r in run.metrics if key in r], [r[key] for r in reference.metrics if key in r]
-        assert relative_error(got, want) < rel, (key, run.run_dir.name, got, want)
-    if weights:
-        import torch
+def assert_matches(reference: Run, run: Run, *, tolerance: Tolerance | float,
+                   metrics: tuple[str, ...] = ("loss", "grad_norm"), weights: bool = False) -> None:
+    """``run`` computed what ``reference`` did: each of ``metrics``, over the steps both logged,
+    within relative ``tolerance``; with ``weights``, the final weights (``final_weights``) within
+    it relative and absolute. A layout's ``tolerance`` is the one its reference's own sensitivity
+    implies (tests/parity_tolerance.py: ``Parity.measured``); a plain number is for comparisons
+    that are not round-off (float8 against bf16)."""
+    def bound(key: str) -> tuple[float, str]:
+        if isinstance(tolerance, Tolerance):
+            return tolerance[key], tolerance.explain(key)
+        return tolerance, f"tolerance {tolerance:g}"
 
-        torch.testing.assert_close(final_weights(run.run_dir), final_weights(reference.run_dir), rtol=rel, atol=rel)
+    errors = {key: metric_spread(reference.metrics, run.metrics, key) for key in metrics}
+    if weights:
+        errors["weights"] = weight_spread(final_weights(reference.run_dir), final_weights(run.run_dir))
+    log_parity(reference, run, errors, tolerance)
+    for key, error in errors.items():
+        limit, why = bound(key)
+        assert error <= limit, f"{run.run_dir.name} {key} {error:.3g} > {why}"
+
+
+def log_parity(reference: Run, run: Run, errors: dict[str, float], tolerance: Tolerance | float) -> None:
+    """``P3D_PARITY_LOG=FILE``: append each comparison (errors, tolerances, the reference's
+    spreads) as a JSON line; ``tools/parity_sensitivity.py summarize FILE`` tabulates the margins."""
+    log = os.environ.get("P3D_PARITY_LOG")
+    if not log:
+        return
+    import torch
+
+    row = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+           "capability": torch.backends.cpu.get_cpu_capability(),
+           "reference": reference.run_dir.name, "run": run.run_dir.name, "errors": errors,
+           "tolerances": {k: tolerance[k] if isinstance(tolerance, Tolerance) else tolerance for k in errors},
+           "spreads": {k: tolerance.spreads[k] for k in errors} if isinstance(tolerance, Tolerance) else None}
+    with open(log, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def selected_params(request, param: str = "name") -> set:
@@ -271,7 +310,7 @@ class Parity:
     """Runs layouts once each and compares them with the single-process run of the same model."""
 
     def __init__(self, root: Path):
-        self.root, self.runs, self.checked = root, {}, set()
+        self.root, self.runs, self.checked, self.tolerances = root, {}, set(), {}
 
     def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
         if name not in self.runs:
@@ -311,12 +350,39 @@ class Parity:
         measured = {key: run.metrics[-1][key] for key in planned}
         assert planned == measured, f"planner {planned} != run {measured} ({' '.join(overrides)}, {nproc} ranks)"
 
+    def measured(self, name: str, overrides: list[str], **measure_args) -> tuple[Run, Tolerance]:
+        """The one-process run ``name`` and the Tolerance its own sensitivity implies: it trains with
+        its twin (perturbed gradients, tests/parity_tolerance.py) in one launch."""
+        self.prefetch_references({name: overrides})
+        reference, twin = self.run(name, 1, overrides), self.run(twin_name(name), 1, twin_overrides(overrides))
+        key = (name, tuple(sorted(measure_args.items())))
+        if key not in self.tolerances:
+            self.tolerances[key] = measure(reference, twin, **measure_args)
+        return reference, self.tolerances[key]
+
+    def prefetch_references(self, references: dict[str, list[str]], others: dict[str, list[str]] | None = None) -> None:
+        """Train one-process references (name: overrides), each with its twin, and ``others``
+        (one-process runs without a twin) in one launch."""
+        self.prefetch({run: (1, o) for name, overrides in references.items()
+                       for run, o in ((name, overrides), (twin_name(name), twin_overrides(overrides)))}
+                      | {name: (1, overrides) for name, overrides in (others or {}).items()})
+
     def reference(self, tied: bool = False) -> Run:
-        return self.run(f"reference-tied{tied}", 1, [f"model.tie_embeddings={tied}", "train.micro_batch_size=16"])
+        return self.measured(*self._reference(tied))[0]
+
+    @staticmethod
+    def _reference(tied: bool) -> tuple[str, list[str]]:
+        return f"reference-tied{tied}", [f"model.tie_embeddings={tied}", "train.micro_batch_size=16"]
+
+    def tolerance(self, tied: bool = False) -> Tolerance:
+        """The default family's tolerances, for runs of the same model, data, optimizer and steps."""
+        return self.measured(*self._reference(tied))[1]
 
     def assert_same_training(self, run: Run, tied: bool = False) -> None:
-        """Per-step losses and grad norms within relative 1e-5, final weights within 1e-5."""
-        assert_matches(self.reference(tied), run, rel=1e-5, weights=True)
+        """Per-step losses and grad norms, and the final weights, within the tolerances the
+        reference's own sensitivity implies (tests/parity_tolerance.py)."""
+        reference, tolerance = self.measured(*self._reference(tied))
+        assert_matches(reference, run, tolerance=tolerance, weights=True)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import FAST, Run, env, launch, relative_error
 from omegaconf import OmegaConf
+from parity_tolerance import ONE_PASS
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -256,7 +257,7 @@ def test_init_from_export_at_another_layout(models):
     tp2 = launch(models.root / "init-tp2", [*init, "parallel.tp=2"], nproc=2)
     single.assert_finished(2)
     tp2.assert_finished(2)
-    assert relative_error(tp2.losses[:1], single.losses[:1]) < 1e-5
+    assert relative_error(tp2.losses[:1], single.losses[:1]) <= ONE_PASS  # the first step: one pass
     assert single.losses[0] < models.run("untied").losses[0] - 1.0  # trained weights, not a fresh init
 
 

@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import assert_matches, relative_error
+from conftest import assert_matches
 from omegaconf import OmegaConf
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -22,6 +22,12 @@ from parallel3d.validate import check
 # Newton–Schulz runs in bfloat16, slow on a CPU: a narrower tiny model keeps every run short.
 MUON = ["optim=muon_cosine", "model.dim=64", "model.ffn_dim=128", "model.n_layers=2"]
 MOE = ["model=tiny_moe", "model.moe.expert_ffn_dim=32"]
+# The parity runs train at lr 1e-3, not muon_cosine's 3e-3. Newton–Schulz carries a gradient's last
+# float32 bits into every element of the update, so Muon's one-process run is far more sensitive to
+# round-off than AdamW's (tests/parity_tolerance.py measures it), and the more so the larger the
+# steps: at 1e-3 the bound it implies for the losses is several times tighter than at 3e-3
+# (docs/optimizers.md, "Parity").
+PARITY = [*MUON, "optim.lr=1e-3"]
 
 LAYOUTS = {  # name: (ranks, overrides); all in one 4-rank launch
     "muon-dp4-zero3": (4, ["parallel.zero_stage=3"]),
@@ -194,38 +200,42 @@ def test_a_split_matrix_gets_the_update_of_the_whole():
 
 @pytest.fixture(scope="module")
 def muon_runs(parity):
-    """The one-process references (dense, MoE) in one launch; the layouts, then the resume, in one
-    4-rank launch (the resume reads the checkpoint the dp2 x tp2 run wrote before it)."""
+    """The one-process references (dense, MoE) and their twins in one launch; the layouts, then the
+    resume, in one 4-rank launch (the resume reads the checkpoint the dp2 x tp2 run wrote before it)."""
     saved = parity.root / SAVING / "checkpoints" / "step_5"
-    parity.prefetch({"muon-reference": (1, [*MUON, "train.micro_batch_size=16"]),
-                     "muon-moe-reference": (1, [*MUON, *MOE, "train.micro_batch_size=16"])})
+    parity.prefetch_references(dict(REFERENCES.values()))
     resumed_name, (n, resumed) = RESUMED
-    parity.prefetch({**{name: (n, [*MUON, *o]) for name, (n, o) in LAYOUTS.items()},
-                     resumed_name: (n, [*MUON, *resumed, f"checkpoint.resume={saved}"])})
+    parity.prefetch({**{name: (n, [*PARITY, *o]) for name, (n, o) in LAYOUTS.items()},
+                     resumed_name: (n, [*PARITY, *resumed, f"checkpoint.resume={saved}"])})
     return parity
+
+
+REFERENCES = {  # dense or MoE: the one-process run (name, overrides); each trains with its twin
+    False: ("muon-reference", [*PARITY, "train.micro_batch_size=16"]),
+    True: ("muon-moe-reference", [*PARITY, *MOE, "train.micro_batch_size=16"]),
+}
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_like_one_process(muon_runs, name):
-    """The losses of one process, within 1e-5. Not the weights and grad norms: layouts sum gradients
-    in other orders (float32 rounding), and Newton–Schulz, which raises a matrix's small singular
-    values by up to a^ns_steps (about 480), carries those last bits into every element of the
-    update (see docs/optimizers.md). test_a_split_matrix_gets_the_update_of_the_whole shows the
-    split update equal to the whole one, bit for bit, given the same gradient."""
+    """Losses, grad norms and final weights of one process, within what its own sensitivity
+    implies (tests/parity_tolerance.py). Layouts sum gradients in other float32 orders, and
+    Newton–Schulz, which raises a matrix's small singular values by up to a^ns_steps (about 480),
+    carries those last bits into every element of the update (docs/optimizers.md): the weights'
+    bound is wide. test_a_split_matrix_gets_the_update_of_the_whole shows the split update equal
+    to the whole one, bit for bit, given the same gradient."""
     nproc, overrides = LAYOUTS[name]
-    moe = MOE[0] in overrides
-    reference = muon_runs.run("muon-moe-reference" if moe else "muon-reference", 1,
-                              [*MUON, *(MOE if moe else []), "train.micro_batch_size=16"])
-    run = muon_runs.run(name, nproc, [*MUON, *overrides])
-    assert_matches(reference, run, rel=1e-5, metrics=("loss",))
+    reference, tolerance = muon_runs.measured(*REFERENCES[MOE[0] in overrides])
+    run = muon_runs.run(name, nproc, [*PARITY, *overrides])
+    assert_matches(reference, run, tolerance=tolerance, metrics=("loss", "grad_norm"), weights=True)
 
 
 @pytest.mark.multirank
 def test_muon_state_saved_at_dp2_tp2_resumes_at_dp2_pp2(muon_runs):
-    reference = muon_runs.run("muon-reference", 1, [*MUON, "train.micro_batch_size=16"])
+    reference, tolerance = muon_runs.measured(*REFERENCES[False])
     name, (nproc, overrides) = RESUMED
     saved = muon_runs.root / SAVING / "checkpoints" / "step_5"
-    run = muon_runs.run(name, nproc, [*MUON, *overrides, f"checkpoint.resume={saved}"])
+    run = muon_runs.run(name, nproc, [*PARITY, *overrides, f"checkpoint.resume={saved}"])
     assert [r["step"] for r in run.metrics] == list(range(6, 11))
-    assert relative_error(run.losses, [r["loss"] for r in reference.metrics[5:]]) < 1e-5
+    assert_matches(reference, run, tolerance=tolerance, metrics=("loss", "grad_norm"), weights=True)

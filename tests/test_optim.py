@@ -12,7 +12,7 @@ from torch import nn
 
 from parallel3d.config.schema import OptimConfig
 from parallel3d.optim.adamw import build_optimizer
-from parallel3d.optim.clip import clip_grad_norm_, total_norm
+from parallel3d.optim.clip import clip_grad_norm_, perturb_gradients, total_norm
 from parallel3d.optim.schedule import build_lr_scheduler, lr_factor
 
 STEPS, WARMUP, MIN_RATIO = 40, 5, 0.1
@@ -276,6 +276,48 @@ def test_total_norm_sums_in_float64():
     assert total_norm([]).item() == 0.0
 
 
+def _noisy(grads: list[torch.Tensor], **draw) -> list[torch.Tensor]:
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    perturb_gradients(params, relative=1e-7, **{"seed": 0, "draw": 0, "step": 1, **draw})
+    return [p.grad for p in params]
+
+
+def test_grad_noise_is_round_off_sized_deterministic_and_keeps_exact_zeros():
+    """debug.grad_noise: noise of 1e-7 of each tensor's root mean square, the same for the same
+    (seed, draw, step) and another for another; a zero element (a token no batch holds) stays zero."""
+    torch.manual_seed(0)
+    small, large = torch.randn(64, 32) * 1e-3, torch.randn(128) * 10.0
+    small[3] = 0.0  # a whole row without gradient
+    noisy = _noisy([small, large])
+    for before, after in zip((small, large), noisy):
+        rms = before.square().mean().sqrt()
+        moved = (after - before).abs()
+        assert 0 < moved.max() < 6e-7 * rms  # six sigma of 1e-7 x rms
+        assert moved[before != 0].mean() > 0.5e-7 * rms  # every element moves, not only the large ones
+    assert torch.equal(noisy[0][3], torch.zeros(32))
+    assert all(torch.equal(a, b) for a, b in zip(noisy, _noisy([small, large])))
+    for other in ({"draw": 1}, {"step": 2}, {"seed": 1}):
+        assert not torch.equal(noisy[1], _noisy([small, large], **other)[1]), other
+
+
+@pytest.mark.parametrize("overrides, world_size, words", [
+    (["debug.grad_noise=1e-3"], 1, "not a round-off-sized perturbation"),
+    (["debug.grad_noise=-1e-7"], 1, "not a round-off-sized perturbation"),
+    (["debug.grad_noise=1e-7", "parallel.dp_shard=2"], 2, "perturbs a one-process reference run, not 2 ranks"),
+    (["debug.grad_noise=1e-7", "checkpoint.every=5"], 1, "must not write checkpoints"),
+])
+def test_grad_noise_is_refused_outside_the_parity_measurement(overrides, world_size, words):
+    from parallel3d.base import ConfigError
+    from parallel3d.config.compose import compose
+    from parallel3d.validate import check
+
+    with pytest.raises(ConfigError, match=words) as refused:
+        check(compose([*overrides, "run_dir=/nonexistent"]), world_size)
+    assert "debug.grad_noise" in str(refused.value)
+
+
 def _bpe_corpus(root) -> list[str]:
     """A byte-level BPE tokenizer (vocabulary within the tiny model's 512) and a corpus it encodes."""
     from data_files import documents, write_jsonl
@@ -295,26 +337,22 @@ def _bpe_corpus(root) -> list[str]:
 
 @pytest.mark.multirank
 def test_grad_norms_agree_across_layouts_at_adamw_default_eps(tmp_path):
-    """One process, dp4 ZeRO-3 and dp2 x tp2 (one 4-rank launch) on a BPE corpus at AdamW's default eps=1e-8.
-
-    The first step's gradients differ only by the order of float32 reductions, so its norms must
-    agree to what float64 summing leaves (float32 summing put them 7e-8 apart). Over 10 steps the
-    losses agree to 1e-6, and so do ZeRO-3's norms. dp2 x tp2's norms are held to the suite's
-    1e-5: tensor parallelism reorders the matmuls' sums, and at eps=1e-8 AdamW moves elements whose
-    gradient is round-off by up to lr, in a direction the round-off picks (measured: a few weights
-    1e-5 apart after 10 steps, norms 2.3e-6 apart, in float64 as in float32)."""
-    from conftest import FAST, launch, launch_batch, relative_error
+    """One process, dp4 ZeRO-3 and dp2 x tp2 (one 4-rank launch) on a BPE corpus at AdamW's default
+    eps=1e-8: losses and grad norms at every step within what the one-process run's own sensitivity
+    implies (tests/parity_tolerance.py). At eps=1e-8 AdamW moves an element whose gradient is pure
+    round-off by up to lr, in a direction the round-off picks, so the bound is wider than at the
+    suite's eps=1e-6; the twin's noise, relative to each tensor's root mean square, reaches those
+    elements as a reordered sum does. (The norm itself is summed in float64:
+    test_total_norm_sums_in_float64.)"""
+    from conftest import FAST, assert_matches, launch, launch_batch, launch_measured
 
     overrides = [*FAST, *_bpe_corpus(tmp_path), "optim.eps=1e-8"]
-    single = launch(tmp_path / "single", [*overrides, "train.micro_batch_size=16"])
-    single.assert_finished(10)
-    layouts = {"dp4-zero3": (["parallel.zero_stage=3", "train.micro_batch_size=4"], 1e-6),
-               "dp2-tp2": (["parallel.tp=2", "train.micro_batch_size=8"], 1e-5)}
-    runs = launch_batch(tmp_path, {name: [*overrides, *layout] for name, (layout, _) in layouts.items()}, nproc=4)
-    for name, (layout, norm_tolerance) in layouts.items():  # one the batch did not finish runs on its own
+    single, tolerance = launch_measured(tmp_path, [*overrides, "train.micro_batch_size=16"], steps=10,
+                                        metrics=("loss", "grad_norm"), weights=False)
+    layouts = {"dp4-zero3": ["parallel.zero_stage=3", "train.micro_batch_size=4"],
+               "dp2-tp2": ["parallel.tp=2", "train.micro_batch_size=8"]}
+    runs = launch_batch(tmp_path, {name: [*overrides, *layout] for name, layout in layouts.items()}, nproc=4)
+    for name, layout in layouts.items():  # one the batch did not finish runs on its own
         run = runs[name] if name in runs else launch(tmp_path / name, [*overrides, *layout], nproc=4)
         run.assert_finished(10)
-        norms, reference = [r["grad_norm"] for r in run.metrics], [r["grad_norm"] for r in single.metrics]
-        assert relative_error(norms[:1], reference[:1]) <= 2e-8, (name, norms[0], reference[0])
-        assert relative_error(norms, reference) <= norm_tolerance, (name, norms, reference)
-        assert relative_error(run.losses, single.losses) <= 1e-6, (name, run.losses, single.losses)
+        assert_matches(single, run, tolerance=tolerance, metrics=("loss", "grad_norm"))

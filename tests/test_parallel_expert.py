@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import FAST, assert_matches, final_weights, launch, layouts, prefetch_selected, relative_error
+from parity_tolerance import ONE_PASS
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
@@ -37,17 +38,28 @@ def batched(parity, request):
     prefetch_selected(request, parity, LAYOUTS, prefix="moe-", extra=MOE)
 
 
+REFERENCE = ("moe-reference", [*MOE, "train.micro_batch_size=16"])  # one process (and its twin)
+
+
 @pytest.fixture(scope="module")
 def moe_reference(parity):
-    return parity.run("moe-reference", 1, [*MOE, "train.micro_batch_size=16"])
+    return parity.measured(*REFERENCE)[0]
+
+
+@pytest.fixture(scope="module")
+def moe_tolerance(parity):
+    """What the one-process run's own sensitivity implies (tests/parity_tolerance.py). A routing
+    choice is a threshold: a token whose top experts sit at a near-tie could go either way under
+    round-off and part the runs; the seed and lr here route no token that close (docs/moe.md)."""
+    return parity.measured(*REFERENCE)[1]
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_expert_parallel_layout_trains_like_one_process(parity, moe_reference, layout):
+def test_expert_parallel_layout_trains_like_one_process(parity, moe_reference, moe_tolerance, layout):
     run = parity.train(layout, prefix="moe-", extra=MOE)
     ref = moe_reference.metrics
-    assert_matches(moe_reference, run, rel=1e-5, metrics=("loss", "grad_norm", "aux_loss"), weights=True)
+    assert_matches(moe_reference, run, tolerance=moe_tolerance, metrics=("loss", "grad_norm", "aux_loss"), weights=True)
     assert run.metrics[0]["expert_load"] == ref[0]["expert_load"]  # the same routing, counted globally
     tokens = 16 * 64 * 2 * 4  # sequences x length x top_k x MoE blocks
     assert all(sum(r["expert_load"]) == tokens for r in run.metrics)
@@ -75,12 +87,10 @@ def test_validation_names_the_key(overrides, world, key):
 
 
 @pytest.mark.multirank
-def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_reference):
+def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_tolerance):
     """ep2 x dp4 (experts sharded over 2 expert-dp ranks too) saves at step 4; ep4 resumes there and
     saves at 8; one process resumes from that: every step after a resume and the final weights are
-    those of the uninterrupted ep2 run."""
-    import torch
-
+    those of the uninterrupted ep2 run, within the family's tolerance (each leg is a layout)."""
     source = parity.train(SAVING, prefix="moe-", extra=MOE)  # the parity run, saving every 4
     ep4 = launch(parity.root / "moe-resumed-ep4", [*FAST, *MOE, "parallel.ep=4", "checkpoint.every=4",
                  f"checkpoint.resume={source.run_dir / 'checkpoints' / 'step_4'}"], nproc=4)
@@ -89,12 +99,8 @@ def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_reference):
                     f"checkpoint.resume={ep4.run_dir / 'checkpoints' / 'step_8'}"])
     single.assert_finished(10)
     assert [r["step"] for r in ep4.metrics] == list(range(5, 11)) and [r["step"] for r in single.metrics] == [9, 10]
-    by_step = {r["step"]: r for r in source.metrics}
-    for run in (ep4, single):
-        steps = [r["step"] for r in run.metrics]
-        assert relative_error(run.losses, [by_step[s]["loss"] for s in steps]) < 1e-5
-        assert relative_error([r["aux_loss"] for r in run.metrics], [by_step[s]["aux_loss"] for s in steps]) < 1e-5
-    torch.testing.assert_close(final_weights(single.run_dir), final_weights(source.run_dir), rtol=1e-5, atol=1e-5)
+    assert_matches(source, ep4, tolerance=moe_tolerance, metrics=("loss", "aux_loss"))
+    assert_matches(source, single, tolerance=moe_tolerance, metrics=("loss", "aux_loss"), weights=True)
 
 
 @pytest.mark.multirank
@@ -103,7 +109,8 @@ def test_capacity_drops_the_same_copies_in_every_layout(parity):
     micro batches of one process, drops the same copies in the first step and computes the same
     loss and gradient. Later steps are not compared: a drop is a threshold on routing weights, and
     the layouts' float32 round-off (1e-7) flips copies that sit at it (from step 2 on, one copy's
-    gradient may differ), as in any framework with a capacity factor (docs/moe.md)."""
+    gradient may differ), as in any framework with a capacity factor (docs/moe.md). A first step is
+    one pass from the same weights: held to ONE_PASS (tests/parity_tolerance.py)."""
     capacity = [*MOE, "model.moe.capacity_factor=1.0"]
     single = parity.run("moe-capacity-single", 1, capacity)
     ep = parity.run("moe-capacity-ep2-dp2", 2, [*capacity, "parallel.ep=2", "parallel.zero_stage=3"])
@@ -115,7 +122,7 @@ def test_capacity_drops_the_same_copies_in_every_layout(parity):
     first, reference = ep.metrics[0], single.metrics[0]
     assert (first["expert_dropped"], first["expert_load"]) == (reference["expert_dropped"], reference["expert_load"])
     for key in ("loss", "grad_norm", "aux_loss"):
-        assert relative_error([first[key]], [reference[key]]) < 1e-5
+        assert relative_error([first[key]], [reference[key]]) <= ONE_PASS, key
 
 
 def test_planner_counts_expert_traffic():
@@ -181,7 +188,7 @@ def test_recomputed_blocks_exchange_their_tokens_again_as_planned(mode):
 
 
 @pytest.mark.multirank
-def test_hugging_face_weights_load_into_sharded_experts(parity, moe_reference):
+def test_hugging_face_weights_load_into_sharded_experts(parity, moe_reference, moe_tolerance):
     """A checkpoint exported in Qwen3-MoE's layout (one tensor per expert) starts ep2 x dp4, where each
     rank reads half of its ep rank's experts (FSDP over expert_dp), where it starts one process."""
     from parallel3d.cli import convert_hf
@@ -194,7 +201,7 @@ def test_hugging_face_weights_load_into_sharded_experts(parity, moe_reference):
     sharded = launch(parity.root / "moe-init-ep2-dp4", [*init, "parallel.ep=2", "parallel.zero_stage=3"], nproc=4)
     single.assert_finished(2)
     sharded.assert_finished(2)
-    assert relative_error(sharded.losses, single.losses) < 1e-5
+    assert_matches(single, sharded, tolerance=moe_tolerance, metrics=("loss",))  # 2 steps: within the 10 steps' bound
     assert single.losses[0] < moe_reference.losses[0] - 1.0  # trained weights, not a fresh init
 
 

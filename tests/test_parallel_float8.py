@@ -3,7 +3,9 @@ tensor and data parallelism, and that training tracks bf16 in one process, ZeRO-
 
 Tolerance: float8 vs bf16, relative loss difference per step over the 10 FAST steps, below 1e-2
 (the issue's target for the final loss), about 3x what the layouts show with every block linear
-in float8 (tensorwise; the table in docs/float8.md).
+in float8 (tensorwise; the table in docs/float8.md). Not a round-off bound (float8's quantization
+is the difference measured), so not derived from a twin as the parity tests' are
+(tests/parity_tolerance.py).
 In one process bf16 and float8 run the same code but for the float8 layers, so there they must
 also differ (above 1e-4): float8 is really on.
 """
@@ -201,6 +203,6 @@ def test_float8_tracks_bf16(layout, parity):
     float8 keeps float32 master weights, gradients and optimizer state, so the planner needs no change."""
     bf16 = parity.run("bf16", 1, ["train.param_dtype=bfloat16", "train.micro_batch_size=16"])
     run = parity.train(layout)
-    assert_matches(bf16, run, rel=TOLERANCE, metrics=("loss",))
+    assert_matches(bf16, run, tolerance=TOLERANCE, metrics=("loss",))
     if layout.nproc == 1:  # the same code path as bf16 but for the float8 layers
         assert relative_error(run.losses, bf16.losses) > 1e-4, (run.losses, bf16.losses)

@@ -12,9 +12,11 @@ from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
 from parallel3d.validate import check
 
-# At the default lr (3e-3) the tiny MoE's tenth step amplifies float rounding (1e-8) past 1e-5 in
-# the grad norm of some layouts; at 1e-3 every layout stays within 1e-7 of one process.
+# lr 1e-3, not the default 3e-3: there the tiny MoE's later steps amplify float rounding far more
+# (a routing choice near a tie, docs/moe.md), and the tolerance its own sensitivity implies would be
+# much wider (tests/parity_tolerance.py).
 MLA = ["model=tiny_mla", "data.document_masking=true", "optim.lr=1e-3"]
+REFERENCE = ("mla-reference", [*MLA, "train.micro_batch_size=16"])  # one process (and its twin)
 
 LAYOUTS = layouts({  # name: (ranks, overrides)
     # heads split over tp, the latent down-projections and their norms replicated (parallel/tensor.py)
@@ -31,16 +33,12 @@ def batched(parity, request):
     prefetch_selected(request, parity, LAYOUTS, prefix="mla-", extra=MLA)
 
 
-@pytest.fixture(scope="module")
-def mla_reference(parity):
-    return parity.run("mla-reference", 1, [*MLA, "train.micro_batch_size=16"])
-
-
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_mla_layout_trains_like_one_process(parity, mla_reference, layout):
-    run = parity.train(layout, prefix="mla-", extra=MLA)
-    assert_matches(mla_reference, run, rel=1e-5, weights=True)
+def test_mla_layout_trains_like_one_process(parity, layout):
+    """Losses, grad norms and final weights within what the one-process run's sensitivity implies."""
+    reference, tolerance = parity.measured(*REFERENCE)
+    assert_matches(reference, parity.train(layout, prefix="mla-", extra=MLA), tolerance=tolerance, weights=True)
 
 
 def test_mla_refuses_what_it_lacks():
