@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from parity_tolerance import Tolerance, measure, metric_spread, twin_name, twin_overrides, weight_spread
+from parity_tolerance import Tolerance, measure, metric_spread, twins, weight_spread
 
 RUN_TIMEOUT_S = 300
 BATCH_TIMEOUT_S = 120
@@ -116,13 +116,13 @@ def launch_measured(root: Path, overrides: list[str], steps: int, name: str = "s
     """One process trains ``overrides`` into ``root/name`` and its twin (perturbed gradients,
     tests/parity_tolerance.py) beside it, in one launch; returns the run and the Tolerance the
     spread between the two implies (``measure_args``: parity_tolerance.measure's)."""
-    runs = {name: overrides, twin_name(name): twin_overrides(overrides)}
+    runs = {name: overrides, **twins(name, overrides)}
     done = launch_batch(root, runs, nproc=1)
     for run_name, run_overrides in runs.items():
         if run_name not in done:  # failed in the batch: again on its own, with its own errors
             done[run_name] = launch(root / run_name, run_overrides)
         done[run_name].assert_finished(steps)
-    return done[name], measure(done[name], done[twin_name(name)], **measure_args)
+    return done[name], measure(done[name], *(done[twin] for twin in twins(name, overrides)), **measure_args)
 
 
 @dataclass(frozen=True)
@@ -352,20 +352,21 @@ class Parity:
 
     def measured(self, name: str, overrides: list[str], **measure_args) -> tuple[Run, Tolerance]:
         """The one-process run ``name`` and the Tolerance its own sensitivity implies: it trains with
-        its twin (perturbed gradients, tests/parity_tolerance.py) in one launch."""
+        its twins (perturbed gradients, tests/parity_tolerance.py) in one launch."""
         self.prefetch_references({name: overrides})
-        reference, twin = self.run(name, 1, overrides), self.run(twin_name(name), 1, twin_overrides(overrides))
+        reference = self.run(name, 1, overrides)
+        perturbed = [self.run(twin, 1, o) for twin, o in twins(name, overrides).items()]
         key = (name, tuple(sorted(measure_args.items())))
         if key not in self.tolerances:
-            self.tolerances[key] = measure(reference, twin, **measure_args)
+            self.tolerances[key] = measure(reference, *perturbed, **measure_args)
         return reference, self.tolerances[key]
 
     def prefetch_references(self, references: dict[str, list[str]], others: dict[str, list[str]] | None = None) -> None:
-        """Train one-process references (name: overrides), each with its twin, and ``others``
+        """Train one-process references (name: overrides), each with its twins, and ``others``
         (one-process runs without a twin) in one launch."""
-        self.prefetch({run: (1, o) for name, overrides in references.items()
-                       for run, o in ((name, overrides), (twin_name(name), twin_overrides(overrides)))}
-                      | {name: (1, overrides) for name, overrides in (others or {}).items()})
+        runs = {run: o for name, overrides in references.items() for run, o in {name: overrides,
+                                                                                 **twins(name, overrides)}.items()}
+        self.prefetch({name: (1, overrides) for name, overrides in (runs | (others or {})).items()})
 
     def reference(self, tied: bool = False) -> Run:
         return self.measured(*self._reference(tied))[0]

@@ -12,8 +12,8 @@ So each family of parity runs trains its one-process reference twice, in one lau
 and as its twin with ``debug.grad_noise=grad_noise()``: every gradient perturbed by Gaussian noise
 of the size by which two float32 evaluations of a weight gradient's sum differ on this machine,
 relative to its tensor's root mean square. The spread between the two, per metric over the logged
-steps and over the final weights, is how far round-off carries in this run on this machine. A
-layout is held to
+steps and over the final weights, is how far round-off carries in this run on this machine;
+with DRAWS twins (other draws of the noise), the largest of their spreads. A layout is held to
 
     tolerance = MARGIN x max(spread, FLOAT32_EPS)
 
@@ -42,7 +42,7 @@ FLOAT32_EPS = 2.0**-23  # the spacing of float32 numbers in [1, 2), relative
 # One pass from the same weights (a first step's loss and grad norm, a checkpoint evaluated again at
 # another layout): no training carries the round-off along, so the floor alone bounds it.
 ONE_PASS = MARGIN * FLOAT32_EPS
-TWIN_SUFFIX = "-noise"
+DRAWS = 2  # twins per reference, each another draw of the noise: the larger spread rarely falls low
 # A perturbed run writes no checkpoint (parallel3d refuses it): the twin drops the reference's
 # checkpoint keys, which change nothing it computes.
 _NOT_IN_TWIN = ("checkpoint.every=", "checkpoint.keep_last=")
@@ -64,13 +64,16 @@ def grad_noise() -> float:
     return float(f"{math.sqrt(2) * error.item():.2g}")
 
 
-def twin_name(name: str) -> str:
-    return name + TWIN_SUFFIX
+def twin_overrides(overrides: list[str], draw: int = 0) -> list[str]:
+    """The reference's overrides with its gradients perturbed by ``grad_noise()`` (``debug.grad_noise``),
+    noise draw ``draw``."""
+    kept = [o for o in overrides if not o.startswith(_NOT_IN_TWIN)]
+    return [*kept, f"debug.grad_noise={grad_noise()}", f"debug.grad_noise_draw={draw}"]
 
 
-def twin_overrides(overrides: list[str]) -> list[str]:
-    """The reference's overrides with its gradients perturbed by ``grad_noise()`` (``debug.grad_noise``)."""
-    return [*(o for o in overrides if not o.startswith(_NOT_IN_TWIN)), f"debug.grad_noise={grad_noise()}"]
+def twins(name: str, overrides: list[str]) -> dict[str, list[str]]:
+    """The twins of the reference ``name`` (run name: overrides), DRAWS of them."""
+    return {f"{name}-noise{draw}": twin_overrides(overrides, draw) for draw in range(DRAWS)}
 
 
 def metric_spread(reference_rows: list[dict], rows: list[dict], key: str) -> float:

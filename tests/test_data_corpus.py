@@ -31,7 +31,7 @@ class MixtureRuns:
                 *overrides]
 
     def single(self) -> tuple[Run, Tolerance]:
-        """The one-process run and the tolerance its twin implies (trained after it, from its cache)."""
+        """The one-process run and the tolerance its twins imply (trained after it, from its cache)."""
         if "single" not in self.runs:
             self.runs["single"], self.tolerance = launch_measured(
                 self.root, self.arguments("single", ["train.micro_batch_size=16"]), 10, name="single",

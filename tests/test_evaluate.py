@@ -82,7 +82,7 @@ def batched(parity, request, token_files):
 
 
 def reference(token_files) -> tuple[str, list[str]]:
-    """The one-process run (it trains with its twin, tests/parity_tolerance.py). checkpoint.every:
+    """The one-process run (it trains with its twins, tests/parity_tolerance.py). checkpoint.every:
     parallel3d-evaluate evaluates its step 5 again (test_evaluate_a_checkpoint_at_dp2)."""
     return "documents-reference", [*document_overrides(token_files), "train.micro_batch_size=16", "checkpoint.every=5"]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import FAST, assert_matches, launch_batch, tensorboard_scalars
-from parity_tolerance import measure, twin_name, twin_overrides
+from parity_tolerance import measure, twins
 
 from parallel3d.runtime.guard import SPIKE_MIN_STEPS, BadStepGuard, TrainingDiverged
 
@@ -112,9 +112,9 @@ def one_process(tmp_path_factory):
     rollback = [*FAST, "train.steps=12", "debug.nan_steps=[7,8]", "train.on_bad_step=skip",
                 "train.max_bad_steps=2", "checkpoint.every=5", "logging.tensorboard=true"]
     resumed = [*rollback, f"checkpoint.resume={root / 'rollback' / 'checkpoints' / 'step_10'}"]
-    runs = launch_batch(root, {"skip": NAN_AT_7, twin_name("skip"): twin_overrides(NAN_AT_7), "rollback": rollback,
-                               "resumed": resumed}, nproc=1)
-    assert set(runs) == {"skip", twin_name("skip"), "rollback", "resumed"}, list((root).glob("*.batch/*"))
+    layouts = {"skip": NAN_AT_7, **twins("skip", NAN_AT_7), "rollback": rollback, "resumed": resumed}
+    runs = launch_batch(root, layouts, nproc=1)
+    assert set(runs) == set(layouts), list((root).glob("*.batch/*"))
     return runs
 
 
@@ -134,7 +134,8 @@ def test_a_poisoned_step_is_skipped_alike_in_every_layout(tmp_path, one_process)
         rows = _metrics(runs[name].run_dir)
         _assert_skipped_7(rows)
         # the good steps, within what the one-process run's own sensitivity implies (tests/parity_tolerance.py)
-        tolerance = measure(one_process["skip"], one_process[twin_name("skip")], metrics=("loss",), weights=False)
+        tolerance = measure(one_process["skip"], *(one_process[twin] for twin in twins("skip", NAN_AT_7)),
+                            metrics=("loss",), weights=False)
         assert_matches(one_process["skip"], runs[name], tolerance=tolerance, metrics=("loss",))
         assert [r["lr"] for r in rows] == pytest.approx([r["lr"] for r in reference], rel=1e-12)
     results = [json.loads((tmp_path / "stop.batch" / f"rank{r}.json").read_text()) for r in (0, 1)]

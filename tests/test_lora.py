@@ -29,7 +29,7 @@ LAYOUTS = layouts({
 })
 
 
-REFERENCE = ("lora-reference", [*LORA, "train.micro_batch_size=16"])  # one process (and its twin)
+REFERENCE = ("lora-reference", [*LORA, "train.micro_batch_size=16"])  # one process (and its twins)
 
 
 @pytest.fixture(scope="module")

@@ -210,7 +210,7 @@ def muon_runs(parity):
     return parity
 
 
-REFERENCES = {  # dense or MoE: the one-process run (name, overrides); each trains with its twin
+REFERENCES = {  # dense or MoE: the one-process run (name, overrides); each trains with its twins
     False: ("muon-reference", [*PARITY, "train.micro_batch_size=16"]),
     True: ("muon-moe-reference", [*PARITY, *MOE, "train.micro_batch_size=16"]),
 }

@@ -38,7 +38,7 @@ def batched(parity, request):
     prefetch_selected(request, parity, LAYOUTS, prefix="moe-", extra=MOE)
 
 
-REFERENCE = ("moe-reference", [*MOE, "train.micro_batch_size=16"])  # one process (and its twin)
+REFERENCE = ("moe-reference", [*MOE, "train.micro_batch_size=16"])  # one process (and its twins)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from parallel3d.validate import check
 # (a routing choice near a tie, docs/moe.md), and the tolerance its own sensitivity implies would be
 # much wider (tests/parity_tolerance.py).
 MLA = ["model=tiny_mla", "data.document_masking=true", "optim.lr=1e-3"]
-REFERENCE = ("mla-reference", [*MLA, "train.micro_batch_size=16"])  # one process (and its twin)
+REFERENCE = ("mla-reference", [*MLA, "train.micro_batch_size=16"])  # one process (and its twins)
 
 LAYOUTS = layouts({  # name: (ranks, overrides)
     # heads split over tp, the latent down-projections and their norms replicated (parallel/tensor.py)

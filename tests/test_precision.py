@@ -56,7 +56,7 @@ def reference_overrides(micro_batch_size: int) -> list[str]:
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/layout_batch.py),
-    the one-process references (and the twin of the first) in one more."""
+    the one-process references (and the twins of the first) in one more."""
     prefetch_selected(request, parity, LAYOUTS)
     (m, name), *others = REFERENCES.items()
     parity.prefetch_references({name: reference_overrides(m)},
@@ -65,7 +65,7 @@ def batched(parity, request):
 
 @pytest.fixture(scope="module")
 def bf16_tolerance(parity):
-    """One process's own spread in bf16: its twin (gradient noise) and the same run at the other
+    """One process's own spread in bf16: its twins (gradient noise) and the same run at the other
     micro batch sizes (another order of the same sums, in bf16 too). Gradient noise perturbs the
     float32 masters only; a layout also rounds bf16 products in other orders, as the micro batch
     size does, so the larger of the two spreads sets the tolerance."""
