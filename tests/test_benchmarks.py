@@ -5,6 +5,7 @@ loops (here on CPU, where it reports no MFU or allocator peak)."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import bench_comm  # noqa: E402
 import bench_gpu  # noqa: E402
 import bench_optimizer  # noqa: E402
 import bench_overhead  # noqa: E402
+import parity_sensitivity  # noqa: E402
 
 from parallel3d.config.compose import compose
 
@@ -84,3 +86,18 @@ def test_bench_gpu_runs_its_loops_and_the_plain_ones_train_alike(capsys, tmp_pat
     assert all(float(r[2].replace(",", "")) > 0 for r in rows)  # tokens/s
     tiny = bench_gpu.flop_counts(compose(["model=tiny"]).model, 32)  # 6N + attention, and its causal half
     assert tiny["6N + attention"] - tiny["6N + causal half"] == 6 * 4 * 128 * 32
+
+
+def test_parity_summary_tabulates_each_family_margin(capsys, tmp_path):
+    """parity_sensitivity summarize: per reference, kernel set and metric, the largest error over the
+    spread (and which layout) and the smallest tolerance over the error; plain bounds are left out."""
+    rows = [{"reference": "ref", "capability": "AVX2", "run": run, "errors": {"loss": error},
+             "tolerances": {"loss": 1e-6}, "spreads": {"loss": 1e-7}} for run, error in (("a", 2e-7), ("b", 4e-7))]
+    rows.append({"reference": "bf16", "capability": "AVX2", "run": "c", "errors": {"loss": 1e-3},
+                 "tolerances": {"loss": 1e-2}, "spreads": None})
+    log = tmp_path / "parity.jsonl"
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert parity_sensitivity.main(["summarize", str(log)]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ref |")]
+    assert table == ["| ref | AVX2 | loss | 2 | 4 (b) | 2.5 |"]
+

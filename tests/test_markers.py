@@ -31,7 +31,8 @@ def test_marked_starts_torchrun():
 
 
 def test_an_unmarked_test_that_starts_torchrun_fails_under_not_multirank(tmp_path):
-    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    for harness in ("conftest.py", "parity_tolerance.py"):  # conftest and the module it imports
+        shutil.copy(TESTS / harness, tmp_path / harness)
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    multirank: several ranks\n")
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", "-rA",
