@@ -8,18 +8,19 @@ tiny model keeps its losses within a few float32 spacings over 10 steps, Muon (N
 bf16 (a master weight's update flips its bf16 copy) move far more. A bound chosen from the numbers
 one machine printed is a coin toss on the next.
 
-So each family of parity runs trains its one-process reference twice, in one launch: as it is,
-and as its twin with ``debug.grad_noise=grad_noise()``: every gradient perturbed by Gaussian noise
-of the size by which two float32 evaluations of a weight gradient's sum differ on this machine,
-relative to its tensor's root mean square. The spread between the two, per metric over the logged
-steps and over the final weights, is how far round-off carries in this run on this machine;
-with DRAWS twins (other draws of the noise), the largest of their spreads. A layout is held to
+So each family of parity runs trains its one-process reference with its DRAWS twins, in one
+launch: the same run with ``debug.grad_noise=grad_noise()``, every gradient perturbed by Gaussian
+noise of the size by which two float32 evaluations of a weight gradient's sum differ on this
+machine, relative to its tensor's root mean square, one draw of the noise each. The spread between
+the reference and a twin, per metric over the logged steps and over the final weights, is how far
+round-off carries in this run on this machine; the larger of the twins' spreads counts. A layout
+is held to
 
     tolerance = MARGIN x max(spread, FLOAT32_EPS)
 
-MARGIN covers what one noise draw leaves out: a layout also reorders the forward (tensor
-parallelism splits the matmuls whose outputs every later layer reads), and one draw's spread
-varies from the next draw's. FLOAT32_EPS is the floor: a float32 value resolves no relative
+MARGIN covers what the noise leaves out: a layout also reorders the forward (tensor parallelism
+splits the matmuls whose outputs every later layer reads), and a draw's spread varies from the
+next draw's. FLOAT32_EPS is the floor: a float32 value resolves no relative
 difference below its own spacing, so a metric the noise leaves unmoved (the first step's loss)
 still gets MARGIN float32 spacings. ``tools/parity_sensitivity.py`` measures the twins' spreads
 beside those of the same run under other kernel sets, and tabulates how close the layouts of a
