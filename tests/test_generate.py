@@ -25,6 +25,7 @@ import torch
 from chat_files import chat_records, llama3_instruct_folder, write_jsonl
 from conftest import RUN_TIMEOUT_S, env, launch, relative_error
 from omegaconf import OmegaConf
+from parity_tolerance import ONE_PASS
 
 from parallel3d.cli import generate as generate_cli
 from parallel3d.config.compose import compose
@@ -326,6 +327,6 @@ def test_evaluate_an_sft_checkpoint_at_dp2(trained):
     out = run_dir / "eval" / f"step_{STEPS}" / "metrics.jsonl"
     [line] = [json.loads(row) for row in out.read_text().splitlines()]
     assert line["step"] == STEPS and line["layout"]["dp_shard"] == 2
-    assert relative_error([line["val_loss"]], [logged]) <= 1e-5
+    assert relative_error([line["val_loss"]], [logged]) <= ONE_PASS  # one pass over the held-out data
     assert f"evaluated step_{STEPS}" in proc.stdout  # the progress line of a long evaluation
     assert "FutureWarning" not in proc.stderr  # our collectives use torch's current names
