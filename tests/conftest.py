@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from parity_tolerance import Tolerance, measure, metric_spread, twins, weight_spread
+from parity_tolerance import Tolerance, log_comparison, measure, metric_spread, twins, weight_spread
 
 RUN_TIMEOUT_S = 300
 BATCH_TIMEOUT_S = 120
@@ -170,27 +170,10 @@ def assert_matches(reference: Run, run: Run, *, tolerance: Tolerance | float,
     errors = {key: metric_spread(reference.metrics, run.metrics, key) for key in metrics}
     if weights:
         errors["weights"] = weight_spread(final_weights(reference.run_dir), final_weights(run.run_dir))
-    log_parity(reference, run, errors, tolerance)
+    log_comparison(reference, run, errors, tolerance)
     for key, error in errors.items():
         limit, why = bound(key)
         assert error <= limit, f"{run.run_dir.name} {key} {error:.3g} > {why}"
-
-
-def log_parity(reference: Run, run: Run, errors: dict[str, float], tolerance: Tolerance | float) -> None:
-    """``P3D_PARITY_LOG=FILE``: append each comparison (errors, tolerances, the reference's
-    spreads) as a JSON line; ``tools/parity_sensitivity.py summarize FILE`` tabulates the margins."""
-    log = os.environ.get("P3D_PARITY_LOG")
-    if not log:
-        return
-    import torch
-
-    row = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
-           "capability": torch.backends.cpu.get_cpu_capability(),
-           "reference": reference.run_dir.name, "run": run.run_dir.name, "errors": errors,
-           "tolerances": {k: tolerance[k] if isinstance(tolerance, Tolerance) else tolerance for k in errors},
-           "spreads": {k: tolerance.spreads[k] for k in errors} if isinstance(tolerance, Tolerance) else None}
-    with open(log, "a") as f:
-        f.write(json.dumps(row) + "\n")
 
 
 def selected_params(request, param: str = "name") -> set:

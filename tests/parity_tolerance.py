@@ -35,7 +35,9 @@ real fault makes (a missing gradient average, a wrong shard).
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 from dataclasses import dataclass, field
 
 MARGIN = 10.0
@@ -135,3 +137,21 @@ def measure(reference, *others, metrics: tuple[str, ...] = ("loss", "grad_norm",
     assert any(spreads.values()), f"{[o.run_dir.name for o in others]} trained exactly as {reference.run_dir.name}"
     names = ", ".join(other.run_dir.name for other in others)
     return Tolerance(spreads, source or f"{reference.run_dir.name} against {names}")
+
+
+def log_comparison(reference, run, errors: dict[str, float], tolerance: Tolerance | float) -> None:
+    """``P3D_PARITY_LOG=FILE``: append a comparison of ``run`` with ``reference`` (Runs: their errors,
+    tolerances and the reference's spreads) as a JSON line; ``tools/parity_sensitivity.py
+    summarize FILE`` tabulates the margins."""
+    log = os.environ.get("P3D_PARITY_LOG")
+    if not log:
+        return
+    import torch
+
+    row = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+           "capability": torch.backends.cpu.get_cpu_capability(),
+           "reference": reference.run_dir.name, "run": run.run_dir.name, "errors": errors,
+           "tolerances": {k: tolerance[k] if isinstance(tolerance, Tolerance) else tolerance for k in errors},
+           "spreads": {k: tolerance.spreads[k] for k in errors} if isinstance(tolerance, Tolerance) else None}
+    with open(log, "a") as f:
+        f.write(json.dumps(row) + "\n")
