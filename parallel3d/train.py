@@ -243,7 +243,7 @@ class TrainLoop:
         loss_value, norm_value = reduce_loss(self.setup.meshes, loss_sum).item(), grad_norm.item()
         self.logger.log({"step": step, "loss": loss_value, "grad_norm": norm_value, "lr": lr, **self.meter.read(step),
                          "skipped": guard.skipped, "skipped_steps": guard.skipped_steps,
-                         **self.sampler.tokens_consumed(step), **self.evaluation, **self.moe_stats})
+                         **self.sampler.tokens_consumed(step), **self.sampler.batch_fill(step), **self.evaluation, **self.moe_stats})
 
     def save_checkpoint(self, step: int, *_, force: bool = False) -> None:
         c = self.setup.config

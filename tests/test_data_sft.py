@@ -10,7 +10,8 @@ from chat_files import chat_tokenizer_folder, write_jsonl
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
-from parallel3d.data.sft import IGNORE, STARTS, TRAINED, RowStats, SFTSpec, build_rows, render_sample, row_micro_batches
+from parallel3d.data.sft import (IGNORE, PADDING, STARTS, TRAINED, RowStats, SFTSpec, build_rows, render_sample, row_fill,
+                                  row_micro_batches)
 from parallel3d.data.tokenizer import ByteTokenizer
 from parallel3d.validate import check
 
@@ -34,8 +35,8 @@ def test_rows_pack_pad_and_count_what_does_not_fit(packing, truncation):
     tokens, flags = map(np.stack, zip(*rows))
     assert tokens.shape[1] == 8 and (stats.truncated, stats.dropped) == ((1, 0) if truncation == "truncate" else (0, 1))
     starts = [list(np.flatnonzero(f & STARTS)) for f in flags]
-    if packing:  # 3 + 4 fill one row but one token; the long sample takes a row; the last one pads
-        expected = [[0, 3, 7], [0], [0, 2]] if truncation == "truncate" else [[0, 3, 7], [0, 2]]
+    if packing:  # best fit, longest first: the long sample takes a row; 4 + 3 fill one but a token; 2 pads
+        expected = [[0], [0, 4, 7], [0, 2]] if truncation == "truncate" else [[0, 4, 7], [0, 2]]
     else:
         expected = [[0, 3], [0, 4], [0], [0, 2]] if truncation == "truncate" else [[0, 3], [0, 4], [0, 2]]
     assert starts == expected
@@ -43,15 +44,79 @@ def test_rows_pack_pad_and_count_what_does_not_fit(packing, truncation):
     assert stats.trained_tokens == int((flags & TRAINED).astype(bool).sum()) and stats.rows == len(rows)
 
 
+def log_uniform_records(count: int, seed: int) -> list[dict]:
+    """Prompt/response records of log-uniform lengths, 16-1024 bytes each (tools/bench_sft.py's kind)."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return "x" * int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+
+    return [{"prompt": text(16, 1024), "response": text(16, 1024)} for _ in range(count)]
+
+
+def test_packed_rows_are_at_least_95_percent_samples():
+    """Greedy packing in file order left a fifth of each row empty on such lengths (BENCHMARKS (k))."""
+    tok, sft = ByteTokenizer(), spec(seq_len=512)
+    stats = RowStats()
+    rows = list(build_rows((render_sample(r, sft, tok) for r in log_uniform_records(3000, seed=0)), sft,
+                           pad_id=tok.eos_id, stats=stats))
+    flags = np.stack([f for _, f in rows])
+    assert row_fill(flags) == stats.sample_tokens / flags.size >= 0.95, (stats, row_fill(flags))
+    assert stats.truncated > 0 and stats.samples == 3000  # long samples fill a row of their own, cut
+    assert not (flags[:, -1] & PADDING).all() and ((flags & PADDING) == 0).sum() == stats.sample_tokens
+
+
+def test_packing_is_a_function_of_the_samples_alone():
+    """The same records give the same rows however they arrive (a list, a generator) and whichever
+    process builds them; the packed samples are the records', each whole, each once."""
+    tok, sft = ByteTokenizer(), spec(seq_len=512)
+    samples = [render_sample(r, sft, tok) for r in log_uniform_records(1500, seed=1)]
+    first = list(build_rows(samples, sft, pad_id=tok.eos_id, stats=RowStats()))
+    again = list(build_rows(iter(samples), sft, pad_id=tok.eos_id, stats=RowStats()))
+    assert all((a[0] == b[0]).all() and (a[1] == b[1]).all() for a, b in zip(first, again)) and len(first) == len(again)
+    segments = sorted(tuple(t[s:e]) for t, f in first
+                      for s, e in zip(*(lambda b: (b, [*b[1:], len(f)]))(list(np.flatnonzero(f & STARTS))))
+                      if not f[s] & PADDING)
+    assert segments == sorted(tuple(ids[:513]) for ids, _ in samples)
+
+
+def test_packed_batches_and_their_fill_are_the_same_at_any_layout_and_on_resume():
+    """Step 3's rows: two data-parallel ranks' slices are one process's batch; a sampler resumed
+    after step 2 (its data position, ``offset``) draws the same rows; ``row_fill`` agrees."""
+    import torch
+
+    from parallel3d.data import BatchSpec, StepSampler
+
+    tok, sft = ByteTokenizer(), spec(seq_len=512)
+    rows = list(build_rows((render_sample(r, sft, tok) for r in log_uniform_records(400, seed=2)), sft,
+                           pad_id=tok.eos_id, stats=RowStats()))
+    tokens, flags = (np.concatenate(a) for a in zip(*rows))
+
+    def sampler(dp_rank=0, dp_size=1, offset=0):
+        return StepSampler(tokens, BatchSpec(8, 2, 512, dp_rank, dp_size), seed=5, offset=offset, flags=flags)
+
+    one = sampler().micro_batches(3)
+    ranks = [mb for r in range(2) for mb in sampler(r, 2).micro_batches(3)]
+    resumed = sampler(offset=2 * 8).micro_batches(1)
+    for other in (ranks, resumed):
+        assert all(torch.equal(a, b) for x, y in zip(one, other) for a, b in zip(x, y)) and len(one) == len(other)
+    fill = sampler().batch_fill(3)["row_fill"]
+    assert fill == sampler(1, 2).batch_fill(3)["row_fill"] == sampler(offset=16).batch_fill(1)["row_fill"]
+    assert 0.5 < fill <= 1
+
+
 def test_micro_batches_mask_untrained_targets_and_carry_the_samples():
     rows = list(build_rows([sample(3, 1), sample(4, 2)], spec(), pad_id=0, stats=RowStats()))
     tokens, flags = map(np.stack, zip(*rows))
     ((inputs, targets, samples),) = row_micro_batches(tokens, flags, 1, packed=True)
-    assert inputs.tolist() == [[10, 11, 12, 10, 11, 12, 13]]
-    # target j is token j + 1: the first sample's 2nd and 3rd, the second's 3rd and 4th; no cross-sample
+    assert inputs.tolist() == [[10, 11, 12, 13, 10, 11, 12]]  # the longer sample first
+    # target j is token j + 1: the first sample's 3rd and 4th, the second's 2nd and 3rd; no cross-sample
     # target, none into the padding
-    assert targets.tolist() == [[11, 12, IGNORE, IGNORE, 12, 13, IGNORE]]
-    assert samples.tolist() == [[0, 0, 0, 1, 1, 1, 1]]
+    assert targets.tolist() == [[IGNORE, 12, 13, IGNORE, 11, 12, IGNORE]]
+    assert samples.tolist() == [[0, 0, 0, 0, 1, 1, 1]]
     assert len(row_micro_batches(tokens, flags, 1, packed=False)[0]) == 2
 
 

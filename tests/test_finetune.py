@@ -102,6 +102,9 @@ def test_sft_loss_equals_a_transformers_loop(sft):
     assert relative_error(run.losses, expected) <= tolerance["loss"], (run.losses, expected, tolerance.explain("loss"))
     assert relative_error([run.metrics[-1]["val_loss"]], [val_loss]) <= tolerance["val_loss"]
     assert "truncated" in run.stdout, run.stdout[-500:]  # the count of over-long samples is on the console
+    assert "% sample tokens)" in run.stdout  # and how full packing left the rows
+    fills = [m["row_fill"] for m in run.metrics if "loss" in m]  # each step's global batch
+    assert len(fills) == STEPS and all(0 < f <= 1 for f in fills) and len(set(fills)) > 1, fills
 
 
 @pytest.mark.multirank

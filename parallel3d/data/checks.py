@@ -17,7 +17,7 @@ import numpy as np
 
 from parallel3d.base import ConfigError, RunError
 from parallel3d.data.chat import assistant_spans, has_generation_blocks, load_chat_template
-from parallel3d.data.sft import STARTS, TRAINED, records
+from parallel3d.data.sft import PADDING, STARTS, records
 from parallel3d.data.sources import DataError, Shard, is_token_file, missing_field_fix, resolve
 
 
@@ -242,13 +242,10 @@ def check_heldout(corpus, *, seq_len: int, global_batch_size: int, eval_cfg) -> 
 
 def sample_count(corpus, width: int) -> int:
     """Instruction samples in ``corpus``'s rows of ``width`` tokens: the segments that start in
-    them, less each row's padding (a last segment of untrained pad tokens, the eos id)."""
+    them that are not padding."""
     count = 0
     for source in corpus.sources:
-        for tokens, flags in zip(source.arrays, source.flags):
-            for row, bits in zip(np.asarray(tokens).reshape(-1, width), np.asarray(flags).reshape(-1, width)):
-                starts = np.flatnonzero(bits & STARTS)
-                count += len(starts)
-                if len(starts) and not (bits[starts[-1]:] & TRAINED).any() and (row[starts[-1]:] == corpus.eos_id).all():
-                    count -= 1
+        for flags in source.flags:
+            bits = np.asarray(flags)
+            count += int(((bits & STARTS) != 0).sum() - ((bits.reshape(-1, width)[:, -1] & PADDING) != 0).sum())
     return count

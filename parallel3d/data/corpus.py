@@ -108,10 +108,13 @@ def open_sources(paths: list[str], data_cfg, heldout_fraction: float, workers: W
 def _report_rows(name: str, files: list[Path], heldout: bool) -> None:
     """One console line per instruction source: samples, rows, and what did not fit a row."""
     metas = [TokenFile(f).meta for f in files]
-    total = {k: sum(m[k] for m in metas) for k in ("samples", "rows", "trained_tokens", "truncated", "dropped")}
-    print(f"parallel3d: {'held-out ' if heldout else ''}{name}: {total['samples']} samples in {total['rows']} rows, "
-          f"{total['trained_tokens']} trained tokens; {total['truncated']} truncated, {total['dropped']} dropped "
-          f"(longer than train.seq_len + 1)", flush=True)
+    total = {k: sum(m[k] for m in metas) for k in ("samples", "rows", "sample_tokens", "trained_tokens",
+                                                  "truncated", "dropped")}
+    row_tokens = sum(m["rows"] * m["rows_of"] for m in metas)
+    fill = total["sample_tokens"] / row_tokens if row_tokens else 0.0
+    print(f"parallel3d: {'held-out ' if heldout else ''}{name}: {total['samples']} samples in {total['rows']} rows "
+          f"(fill {fill:.1%} sample tokens), {total['trained_tokens']} trained tokens; {total['truncated']} "
+          f"truncated, {total['dropped']} dropped (longer than train.seq_len + 1)", flush=True)
 
 
 def open_single(data_cfg, workers: Workers = Workers()) -> Corpus:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from parallel3d.data.sampler import BatchSpec
-from parallel3d.data.sft import row_micro_batches, trained_targets
+from parallel3d.data.sft import row_fill, row_micro_batches, trained_targets
 
 BLOCK = 4096
 
@@ -83,6 +83,14 @@ class MixtureSampler:
             return None
         ids = self._ids(self.samples_seen(step - 1), self.spec.global_batch_size)
         return trained_targets(np.stack([self._row(s, w, flags=True) for s, w in ids]))
+
+    def batch_fill(self, step: int) -> dict[str, float]:
+        """Instruction rows: ``row_fill``, the sample share of the global batch's row tokens of
+        ``step`` (the same on every rank); {} for plain text."""
+        if not self.rows:
+            return {}
+        ids = self._ids(self.samples_seen(step - 1), self.spec.global_batch_size)
+        return {"row_fill": row_fill(np.stack([self._row(s, w, flags=True) for s, w in ids]))}
 
     def _ids(self, first: int, count: int) -> list[tuple[int, int]]:
         with self._lock:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from parallel3d.data.sft import row_micro_batches, trained_targets
+from parallel3d.data.sft import row_fill, row_micro_batches, trained_targets
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,15 @@ class StepSampler:
         first = self.samples_seen(step - 1)
         windows = [self._window(p) for p in range(first, first + self.spec.global_batch_size)]
         return trained_targets(self._rows(self.flags, windows))
+
+    def batch_fill(self, step: int) -> dict[str, float]:
+        """Instruction rows: ``row_fill``, the sample share of the global batch's row tokens of
+        ``step`` (the same on every rank); {} for plain text, which has no padding."""
+        if self.flags is None:
+            return {}
+        first = self.samples_seen(step - 1)
+        windows = [self._window(p) for p in range(first, first + self.spec.global_batch_size)]
+        return {"row_fill": row_fill(self._rows(self.flags, windows))}
 
     def samples_seen(self, step: int) -> int:
         """Sequences of the stream consumed once ``step`` is done: the data position to save."""

@@ -8,12 +8,12 @@ prompt's tokens, the response's tokens and EOS (each text tokenized on its own, 
 the tokenizer has one). ``data.train_on=assistant`` trains the replies and their end-of-turn token,
 ``all`` every token.
 
-A row is whole samples and padding: with ``data.packing`` as many consecutive samples as fit
-(greedy, in file order), else one. A sample longer than a row is cut to its first
+A row is whole samples and padding: with ``data.packing`` the samples best-fit packing puts
+together (parallel3d/data/packing.py), else one. A sample longer than a row is cut to its first
 ``seq_len + 1`` tokens (``data.truncation=truncate``) or left out (``drop``); both are counted.
-Per token a flag byte says whether it is trained as a target and whether a sample (or the
-padding, its own segment) starts there: the first token of a sample is never a target, so
-packed samples never predict each other.
+Per token a flag byte says whether it is trained as a target, whether a sample (or the padding,
+its own segment) starts there, and whether it is padding: the first token of a sample is never a
+target, so packed samples never predict each other.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ import numpy as np
 import torch
 
 from parallel3d.data.chat import ChatTemplate, chat_ids_and_mask, load_chat_template
+from parallel3d.data.packing import PACKER, best_fit_rows
 from parallel3d.data.sources import DataError, Shard, missing_field_fix
 
-TRAINED, STARTS = 1, 2  # flag bits of a token in a row
+TRAINED, STARTS, PADDING = 1, 2, 4  # flag bits of a token in a row
 IGNORE = -100  # the target of an untrained position (cross entropy's ignore_index)
 
 
@@ -57,8 +58,8 @@ class SFTSpec:
     def identity(self) -> list:
         template = self.template
         template = None if template is None else [template.source, sorted(template.special_tokens.items())]
-        return [self.format, self.prompt_field, self.response_field, template, self.train_on, self.packing,
-                self.truncation, self.seq_len]
+        return [self.format, self.prompt_field, self.response_field, template, self.train_on,
+                PACKER if self.packing else False, self.truncation, self.seq_len]
 
     @property
     def fields(self) -> list[str]:
@@ -162,24 +163,10 @@ def sample_flags(mask: list[bool]) -> np.ndarray:
 
 def build_rows(samples: Iterable[tuple[list[int], list[bool]]], spec: SFTSpec, pad_id: int,
                stats: RowStats) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(tokens, flags) of each row of ``seq_len + 1`` tokens, from samples in order."""
+    """(tokens, flags) of each row of ``seq_len + 1`` tokens: with ``spec.packing`` the rows
+    best-fit packing makes of the samples (packing.py), else one sample a row, in order."""
     width = spec.seq_len + 1
-    tokens, flags = [], []
-
-    def close_row():
-        used = sum(len(t) for t in tokens)
-        row_tokens = np.concatenate([*tokens, np.full(width - used, pad_id, np.int64)])
-        pad = np.zeros(width - used, np.uint8)
-        if len(pad):
-            pad[0] = STARTS  # the padding is a segment of its own: no sample attends to it
-        row_flags = np.concatenate([*flags, pad])
-        stats.rows += 1
-        stats.sample_tokens += used
-        stats.trained_tokens += int((row_flags & TRAINED).sum())
-        tokens.clear()
-        flags.clear()
-        return row_tokens, row_flags
-
+    kept: list[tuple[np.ndarray, np.ndarray]] = []
     for ids, mask in samples:
         if not ids:
             continue
@@ -190,12 +177,26 @@ def build_rows(samples: Iterable[tuple[list[int], list[bool]]], spec: SFTSpec, p
                 continue
             stats.truncated += 1
             ids, mask = ids[:width], mask[:width]
-        if tokens and (not spec.packing or sum(len(t) for t in tokens) + len(ids) > width):
-            yield close_row()
-        tokens.append(np.asarray(ids, np.int64))
-        flags.append(sample_flags(mask))
-    if tokens:
-        yield close_row()
+        kept.append((np.asarray(ids, np.int64), sample_flags(mask)))
+    groups = (best_fit_rows(lengths=[len(ids) for ids, _ in kept], width=width) if spec.packing
+              else [[i] for i in range(len(kept))])
+    for group in groups:
+        yield _row([kept[i] for i in group], width, pad_id, stats)
+
+
+def _row(parts: list[tuple[np.ndarray, np.ndarray]], width: int, pad_id: int, stats: RowStats
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """One row of samples and, after them, padding: a segment of its own that no sample attends to."""
+    used = sum(len(ids) for ids, _ in parts)
+    pad = np.full(width - used, PADDING, np.uint8)
+    if len(pad):
+        pad[0] |= STARTS
+    tokens = np.concatenate([*(ids for ids, _ in parts), np.full(width - used, pad_id, np.int64)])
+    flags = np.concatenate([*(f for _, f in parts), pad])
+    stats.rows += 1
+    stats.sample_tokens += used
+    stats.trained_tokens += int((flags & TRAINED).sum())
+    return tokens, flags
 
 
 def row_micro_batches(tokens: np.ndarray, flags: np.ndarray, micro_batch_size: int, packed: bool
@@ -215,3 +216,8 @@ def row_micro_batches(tokens: np.ndarray, flags: np.ndarray, micro_batch_size: i
 def trained_targets(flags: np.ndarray) -> int:
     """Trained targets of rows (n, seq_len + 1): what the loss of their batch is divided by."""
     return int((flags[:, 1:] & TRAINED).astype(bool).sum())
+
+
+def row_fill(flags: np.ndarray) -> float:
+    """Sample tokens / row tokens of rows (n, seq_len + 1): how full packing left them."""
+    return 1.0 - float((flags & PADDING).astype(bool).mean()) if flags.size else 0.0
