@@ -8,8 +8,10 @@ stops at both) fine-tuned on chat records in one process, with a checkpoint, hel
 and from a run_dir that kept only hf/ must give the ids transformers' generate gives on that
 folder with its own end tokens; lm_eval's loglikelihoods through our adapter must equal those of
 lm_eval's own ``hf`` model on it; parallel3d-evaluate at dp2 must give the val_loss training
-logged. The KV cache must give the full forward's logits (dense and MoE), and a Qwen3-MoE model
-the tokens of transformers' Qwen3MoeForCausalLM.
+logged. The KV cache must give the full forward's logits (dense and MoE), a left-padded batch the
+ids of each prompt alone (also from a --prompts-file, against transformers' per prompt; and lm_eval
+in batches the hf model's one-by-one loglikelihoods), and a Qwen3-MoE model the tokens of
+transformers' Qwen3MoeForCausalLM.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from parallel3d.config.schema import ModelConfig
 from parallel3d.data.tokenizer import load_tokenizer
 from parallel3d.hf import families
 from parallel3d.inference.generate import generate, load_model
+from parallel3d.inference.trained import open_trained
 from parallel3d.models import Transformer
 from parallel3d.models.kv_cache import KVCache
 
@@ -102,6 +105,23 @@ def test_kv_cache_gives_the_full_forwards_logits(overrides):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("overrides", [[], ["model=tiny_moe"], ["model=tiny_mla"]], ids=["dense", "moe", "mla"])
+def test_a_left_padded_batch_generates_what_each_prompt_does_alone(overrides):
+    """Prompts of 1 to 30 tokens, decoded 5 at a time (left-padded, rows leaving the batch as they
+    stop at their own end ids): each row's ids are those of the prompt alone, greedy and sampled."""
+    from parallel3d.inference.generate import generate_in_batches
+
+    model = random_model([*overrides, "model.init_std=0.2"])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (1, 30, 7, 19, 3, 12, 25, 9, 2, 16, 30)]
+    stops = {generate(model, prompts[1], max_new_tokens=5)[-1]}  # an id one row reaches, not every row
+    alone = [generate(model, p, max_new_tokens=20, stop_ids=stops) for p in prompts]
+    assert generate_in_batches(model, prompts, batch_size=5, max_new_tokens=20, stop_ids=stops) == alone
+    assert 0 < sum(len(ids) < 20 for ids in alone) < len(prompts)  # some rows stop early, some run on
+    sampled = [generate(model, p, max_new_tokens=6, temperature=1.0, seed=4 + i) for i, p in enumerate(prompts)]
+    assert generate_in_batches(model, prompts, batch_size=4, max_new_tokens=6, temperature=1.0, seed=4) == sampled
+
+
 def test_the_cache_refuses_tokens_past_its_length():
     model = random_model([])
     with pytest.raises(ValueError, match="holds 4 tokens"), torch.no_grad():
@@ -145,6 +165,46 @@ def test_generate_equals_transformers_greedy(trained, capsys):
         assert printed_ids(capsys) == expected, model
     assert generate_cli.main([str(trained.step_dir), "--prompt", PROMPT, "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out == trained.tokenizer.decode([t for t in expected[:4] if t != eot]) + "\n"
+    batched_prompts_equal_transformers(trained, reference, only_hf, capsys)
+
+
+PROMPTS = [PROMPT, "Tell me a joke about the lazy dog", "Why", "The quick brown fox jumps over the lazy dog. " * 3]
+
+
+def batched_prompts_equal_transformers(trained, reference, only_hf, capsys):
+    """--prompts-file at --batch-size 3: one line per prompt, in order, each the ids of that prompt
+    alone (ours and transformers'), each stopping at any of the end ids on its own: the run's
+    (where this chat-tuned model ends a plain prompt within two tokens), then those of a folder of
+    the base model whose end ids are two tokens the rows reach at different steps."""
+    prompts = [[trained.tokenizer.bos_id, *trained.tokenizer.encode(text)] for text in PROMPTS]
+    prompts.insert(2, prompts[0][:4])  # a prompt given as ids
+    records = [{"prompt": text} for text in PROMPTS]
+    records.insert(2, {"prompt_ids": prompts[2]})
+    file = write_jsonl(only_hf.parent / "prompts.jsonl", records)
+    opened = open_trained(trained.run.run_dir)  # its newest checkpoint
+    stops = opened.end_ids(trained.tokenizer)
+    expected = [hf_greedy(reference, ids, 16) for ids in prompts]
+    assert [generate(opened.model, ids, max_new_tokens=16, stop_ids=stops) for ids in prompts] == expected  # alone
+    # the untrained base model (it does not end every prompt at once) in a folder whose end ids are
+    # two tokens its rows reach at different steps
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(trained.base, dtype=torch.float32).eval()
+    free = [hf_greedy(base, ids, 16, eos=None) for ids in prompts]
+    ends = sorted({free[0][6], free[3][11]})
+    folder = only_hf.parent / "other_ends"
+    shutil.copytree(trained.base, folder, dirs_exist_ok=True)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    other = [hf_greedy(base, ids, 16, eos=ends) for ids in prompts]
+    assert len({len(ids) for ids in other}) > 2 and min(map(len, other)) < 16, (free, other)  # own steps
+    for model, ids in ((trained.run.run_dir, expected), (trained.export, expected), (only_hf, expected),
+                       (folder, other)):
+        assert generate_cli.main([str(model), "--prompts-file", str(file), "--batch-size", "3",
+                                  "--max-new-tokens", "16", "--token-ids"]) == 0
+        assert [[int(t) for t in line.split()] for line in capsys.readouterr().out.splitlines()] == ids, model
+    assert generate_cli.main([str(folder), "--prompts-file", str(file), "--max-new-tokens", "16"]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [
+        trained.tokenizer.decode([t for t in ids if t not in ends]) for ids in other]
 
 
 def test_chat_prompt_equals_transformers_chat_template(trained, capsys):
@@ -271,7 +331,7 @@ def local_tasks(root: Path) -> Path:
     return root
 
 
-def harness_samples(model: str, model_args: str, tasks: Path) -> tuple[dict, dict]:
+def harness_samples(model: str, model_args: str, tasks: Path, batch_size: int = 1) -> tuple[dict, dict]:
     """lm_eval.simple_evaluate's results and each task's per-request outputs."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -279,7 +339,7 @@ def harness_samples(model: str, model_args: str, tasks: Path) -> tuple[dict, dic
     import parallel3d.inference.lm_eval_adapter  # noqa: F401  (registers the parallel3d model)
 
     out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS), log_samples=True,
-                                  task_manager=TaskManager(include_path=str(tasks)), batch_size=1)
+                                  task_manager=TaskManager(include_path=str(tasks)), batch_size=batch_size)
     samples = {task: [s["resps"] for s in rows] for task, rows in out["samples"].items()}
     return out["results"], samples
 
@@ -295,7 +355,8 @@ def test_lm_eval_through_the_adapter_equals_the_hf_model(trained, tmp_path, monk
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     tasks = local_tasks(tmp_path)
-    ours, our_samples = harness_samples("parallel3d", f"checkpoint={trained.run.run_dir}", tasks)
+    # ours in batches of 3 (padded, a partial last batch), lm_eval's hf model one request at a time
+    ours, our_samples = harness_samples("parallel3d", f"checkpoint={trained.run.run_dir}", tasks, batch_size=3)
     theirs, their_samples = harness_samples("hf", f"pretrained={trained.export},dtype=float32,device=cpu", tasks)
     for task in TASKS:
         flat_ours, flat_theirs = flat(our_samples[task]), flat(their_samples[task])

@@ -3,11 +3,12 @@
 
     python tools/bench_sft.py [--records 2000] [--steps 10] [key=value ...]
 
-Writes prompt/response records of varied length (prompts 16-256 bytes, responses 16-1024 bytes,
+Writes prompt/response records of varied length (prompts and responses 16-1024 bytes each,
 log-uniform, a fixed seed), then trains the tiny model on them in this process, byte tokens,
-``train.seq_len=512``, global batch 16, ``data.packing=true`` and ``false``. A row costs about
-the same either way (packed rows add the per-sample attention mask); what differs is how much of
-it is padding. Each setting trains ``--steps`` and then ``2 x --steps`` steps from scratch on
+``train.seq_len=512``, global batch 16, ``data.packing=true`` (best fit: parallel3d/data/packing.py)
+and ``false``. A row costs about the same either way (packed rows add the per-sample attention
+mask); what differs is how much of it is padding. For comparison it also prints the fill greedy
+packing in file order (a row closed at the first sample that does not fit) gives the same samples. Each setting trains ``--steps`` and then ``2 x --steps`` steps from scratch on
 rows built beforehand; the difference of the two runs' CPU time, divided by ``--steps``, is the
 CPU time of a step with start-up cancelled out (one torch thread: CPU time barely moves with the
 machine's load, wall time does). Reported: rows and tokens per CPU second, where sample tokens
@@ -51,7 +52,7 @@ def write_records(path: Path, count: int, seed: int) -> None:
 
     with open(path, "w") as f:
         for _ in range(count):
-            f.write(json.dumps({"prompt": text(16, 256), "response": text(16, 1024)}) + "\n")
+            f.write(json.dumps({"prompt": text(16, 1024), "response": text(16, 1024)}) + "\n")
 
 
 def cpu_per_step(overrides: list[str], steps: int, root: Path) -> float:
@@ -104,9 +105,31 @@ def main(argv: list[str] | None = None) -> int:
             per_s = c.train.global_batch_size / step
             lines.append(f"| {str(packing).lower()} | {step * 1000:.0f} ms | {per_s:.1f} | {share:.1%} | "
                          f"{per_s * share * width:,.0f} | {per_s * rows['trained_tokens'] / rows['rows']:,.0f} |")
+        greedy = greedy_fill(root / "records.jsonl", compose(base))
     print(heading("Fine-tuning: packed vs padded rows", "bench_sft.py", argv, "one torch thread, CPU time") + "\n")
     print("\n".join(lines))
+    print(f"\nGreedy packing in file order would fill the rows of the same samples to {greedy:.1%}.")
     return 0
+
+
+def greedy_fill(records: Path, c) -> float:
+    """Sample tokens / row tokens of the rows greedy packing in file order makes (the packer before
+    best fit): each sample joins the current row, or closes it and starts the next."""
+    from parallel3d.data.shards import rendered
+    from parallel3d.data.sft import SFTSpec, records as read_records
+    from parallel3d.data.sources import resolve
+    from parallel3d.data.tokenizer import load_tokenizer
+
+    spec, tokenizer = SFTSpec.from_config(c.data, c.train.seq_len), load_tokenizer(c.data.tokenizer)
+    width = c.train.seq_len + 1
+    lengths = [min(len(rendered(shard, i, r, spec, tokenizer)[0]), width)
+               for shard in resolve(str(records)) for i, r in enumerate(read_records(shard, spec.fields))]
+    rows, used = 0, 0
+    for length in lengths:
+        if used and used + length > width:
+            rows, used = rows + 1, 0
+        used += length
+    return sum(lengths) / ((rows + bool(used)) * width)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ tensor from the shards of whatever layout saved it (no process group: DCP reshar
 distribution cut to its top-p nucleus. It stops at any id of the set ``stop_ids`` (kept in the
 output, as transformers' generate keeps the EOS) or after ``max_new_tokens``; a sequence's stop
 condition is that set alone (parallel3d/inference/trained.py says which ids a model's is).
+``generate_batch`` decodes several prompts at once, left-padded, each as it would be alone (on a
+CPU too the per-token cost of a forward is mostly overhead that a batch shares); a row that stops
+leaves the batch. ``generate_in_batches`` feeds it a list of prompts, similar lengths together.
 """
 
 from __future__ import annotations
@@ -84,41 +87,82 @@ def load_hf_model(folder: Path, *, device: torch.device | str = "cpu",
     return model.eval(), composed
 
 
-def next_token(logits: torch.Tensor, *, temperature: float, top_p: float,
-               generator: torch.Generator | None) -> int:
-    """Greedy (temperature 0) or a sample from the temperature-scaled top-p nucleus of logits (vocab,)."""
+def next_tokens(logits: torch.Tensor, *, temperature: float, top_p: float,
+                generators: list[torch.Generator] | None) -> torch.Tensor:
+    """Greedy (temperature 0) or, per row, a sample from the temperature-scaled top-p nucleus of
+    logits (b, vocab), each row with its own generator: the tokens (b,)."""
     if temperature <= 0:
-        return int(logits.argmax())
+        return logits.argmax(dim=-1)
     probs = (logits.float() / temperature).softmax(dim=-1)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the most likely tokens up to and including the one that reaches top_p.
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
 
 
-@torch.no_grad()
 def generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, stop_ids: Collection[int] = (), seed: int = 0) -> list[int]:
     """The ids generated after ``prompt_ids`` (the stop id that ended them included)."""
-    stop_ids = frozenset(stop_ids)
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    total = len(prompt_ids) + max_new_tokens
-    if total > model.cfg.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
-                         f"model's max_seq_len ({model.cfg.max_seq_len}): ask for fewer tokens")
-    device = model.rope_cos.device
-    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-    cache = KVCache(max_len=total)
-    logits = model(torch.tensor([prompt_ids], device=device), kv_cache=cache)[0, -1]
-    out: list[int] = []
-    while len(out) < max_new_tokens:
-        token = next_token(logits, temperature=temperature, top_p=top_p, generator=generator)
-        out.append(token)
-        if token in stop_ids:
+    return generate_batch(model, [prompt_ids], max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, stop_ids=stop_ids, seeds=[seed])[0]
+
+
+@torch.no_grad()
+def generate_batch(model: Transformer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                   top_p: float = 1.0, stop_ids: Collection[int] = (), seeds: list[int] | None = None
+                   ) -> list[list[int]]:
+    """The ids generated after each prompt, decoded together: the prompts left-padded to the
+    longest, each row with its own positions and blind to the padding (models/kv_cache.py), so a
+    row's ids are those it gets alone. A row stops at its first id of ``stop_ids`` (kept) or after
+    ``max_new_tokens``, and leaves the batch then. ``seeds``: each row's sampling seed (default 0)."""
+    stops = torch.tensor(sorted(frozenset(stop_ids)), dtype=torch.long)
+    lengths = [len(p) for p in prompts]
+    for length in lengths:
+        if not length:
+            raise ValueError("the prompt is empty: give at least one token")
+        if length + max_new_tokens > model.cfg.max_seq_len:
+            raise ValueError(f"prompt ({length} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
+                             f"model's max_seq_len ({model.cfg.max_seq_len}): ask for fewer tokens")
+    device, width = model.rope_cos.device, max(lengths)
+    generators = ([torch.Generator(device=device).manual_seed(s) for s in (seeds or [0] * len(prompts))]
+                  if temperature > 0 else None)
+    pad = torch.tensor([width - n for n in lengths], device=device)
+    batch = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)
+    cache = KVCache(max_len=width + max_new_tokens, pad=pad)
+    logits = model(batch, kv_cache=cache)[:, -1]
+    out: list[list[int]] = [[] for _ in prompts]
+    rows = torch.arange(len(prompts))  # the prompts still decoding, in batch order
+    for _ in range(max_new_tokens):
+        tokens = next_tokens(logits, temperature=temperature, top_p=top_p,
+                             generators=None if generators is None else [generators[r] for r in rows])
+        for row, token in zip(rows.tolist(), tokens.tolist()):
+            out[row].append(token)
+        going = ~torch.isin(tokens.cpu(), stops)
+        if not going.all():  # finished rows leave the batch (and the cache)
+            if not going.any():
+                break
+            rows, tokens = rows[going], tokens[going.to(tokens.device)]
+            cache.keep(going.nonzero().flatten())
+        if len(out[int(rows[0])]) == max_new_tokens:
             break
-        logits = model(torch.tensor([[token]], device=device), kv_cache=cache)[0, -1]
+        logits = model(tokens[:, None], kv_cache=cache)[:, -1]
     return out
+
+
+def generate_in_batches(model: Transformer, prompts: list[list[int]], *, batch_size: int,
+                        **options) -> list[list[int]]:
+    """``generate_batch`` over ``prompts`` ``batch_size`` at a time, the prompts of similar length
+    together (less padding); the results in the prompts' order. ``options``: generate_batch's,
+    with ``seed`` for the first prompt (prompt i samples with seed + i, whatever the batches)."""
+    seed = options.pop("seed", 0)
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    results: list[list[int]] = [[] for _ in prompts]
+    for first in range(0, len(order), batch_size):
+        chosen = order[first:first + batch_size]
+        for i, ids in zip(chosen, generate_batch(model, [prompts[i] for i in chosen],
+                                                  seeds=[seed + i for i in chosen], **options)):
+            results[i] = ids
+    return results

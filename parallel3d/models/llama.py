@@ -92,8 +92,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = head_norm(q, self.q_norm), head_norm(k, self.k_norm)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:
+        if kv_cache is not None:  # one process: attention is LocalAttention, which takes the keys' ids too
             k, v = kv_cache.extend(k, v)
+            out = self.attend(q, k, v, *kv_cache.document_ids(q.shape[2]))
+            return self.wo(rearrange(out, "b h s d -> b s (h d)"))
         return self.wo(rearrange(self.attend(q, k, v, doc_ids), "b h s d -> b s (h d)"))
 
 
@@ -110,12 +112,14 @@ class LocalAttention:
     def positions(self, seq_len: int, device) -> None:
         return None  # 0 .. seq_len - 1
 
-    def __call__(self, q, k, v, doc_ids=None):
+    def __call__(self, q, k, v, doc_ids=None, doc_ids_k=None):
+        """doc_ids_k: the keys' document ids where they are not the queries' (a KV cache's)."""
+        doc_ids_k = doc_ids if doc_ids_k is None else doc_ids_k
         if v.shape[-1] == q.shape[-1]:
-            return sdpa(q, k, v, doc_ids, doc_ids)
+            return sdpa(q, k, v, doc_ids, doc_ids_k)
         # Values narrower than queries and keys (MLA): zero-padded to their width, flash kernels
         # (one head dim for q, k and v) apply, not the math one, which keeps s x s scores.
-        return sdpa(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), doc_ids, doc_ids)[..., :v.shape[-1]]
+        return sdpa(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), doc_ids, doc_ids_k)[..., :v.shape[-1]]
 
 
 class FeedForward(nn.Module):

@@ -152,8 +152,10 @@ class MultiHeadLatentAttention(nn.Module):
         q_rope, k_rope = apply_interleaved_rope(q_rope, cos, sin), apply_interleaved_rope(k_rope, cos, sin)
         q = torch.cat((q_nope, q_rope), dim=-1) * self.q_scale
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
-        if kv_cache is not None:
+        if kv_cache is not None:  # one process: attention is LocalAttention, which takes the keys' ids too
             k, v = kv_cache.extend(k, v)
+            out = self.attend(q, k, v, *kv_cache.document_ids(q.shape[2]))
+            return self.wo(rearrange(out, "b h s d -> b s (h d)"))
         return self.wo(rearrange(self.attend(q, k, v, doc_ids), "b h s d -> b s (h d)"))
 
 
