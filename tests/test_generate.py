@@ -282,6 +282,12 @@ def test_the_command_line_says_what_is_wrong(tmp_path, capsys):
     assert "no complete checkpoint there and no Hugging Face folder (hf/" in err and "Fix: name" in err
     assert generate_cli.main([str(tmp_path / "typo"), "--prompt", "x"]) == 1
     assert f"{tmp_path / 'typo'}: no such file or folder" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.jsonl"  # refused before any model is read
+    prompts.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
+    assert generate_cli.main([str(tmp_path), "--prompts-file", str(prompts)]) == 1
+    err = capsys.readouterr().err
+    assert f'{prompts} line 3: not a JSON object with "prompt" (text) or "prompt_ids"' in err and "Fix: " in err
+    assert len(err.strip().splitlines()) == 1
 
 
 # -- lm-evaluation-harness --------------------------------------------------------------------
