@@ -321,6 +321,22 @@ class SlurmConfig:
 
 
 @dataclass
+class FTConfig:
+    """Fault tolerance across replica groups through torchft (parallel3d/ft/, docs/fault-tolerance.md):
+    each group is its own torchrun job with its own run_dir; the groups average gradients every step."""
+
+    enabled: bool = False
+    lighthouse: Optional[str] = None  # http://HOST:PORT of parallel3d-lighthouse; None: $TORCHFT_LIGHTHOUSE
+    replica_id: int = 0  # this group's index, 0..replicas-1: it trains that slice of every global batch
+    replicas: int = 2  # replica groups of the run: the global batch is cut into this many slices
+    min_replicas: int = 1  # a step commits only with at least this many groups in its quorum
+    semi_sync: str = "none"  # none: gradients averaged every step
+    timeout_s: float = 60.0  # a cross-group collective, a commit vote or a heal that takes longer fails the step
+    quorum_timeout_s: float = 60.0  # no quorum from the lighthouse within this: one line, exit
+    connect_timeout_s: float = 10.0  # reaching the lighthouse and the peers' managers
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -333,6 +349,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
     run_dir: str = "${hydra:runtime.output_dir}"
     recipe: Optional[str] = None  # the recipe's name, set by the recipe itself
 

@@ -1,0 +1,1 @@
+"""Fault tolerance across replica groups (torchft): quorum, cross-group averaging, healing, membership."""

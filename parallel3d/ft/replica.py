@@ -1,0 +1,171 @@
+"""One replica group's side of fault tolerance: torchft's Manager, per step.
+
+Each rank of the group runs a Manager (the group's rank 0 also runs its ManagerServer, which speaks
+for the group to the lighthouse). Every step: ``begin`` asks for the quorum (synchronously, so a
+group that is behind heals from a live peer before its forward: ``heal_state`` over torchft's HTTP
+transport, rank k from the peer's rank k), then sums the roster (membership.py) over the quorum;
+``average_gradients`` averages this rank's gradient shards, after the group's own reduction, with
+the same rank of every other group in one flat all-reduce of torchft's reconfigurable gloo group;
+``commit`` is torchft's two-phase vote: a step any participant failed (an all-reduce error, a
+peer gone, too few groups) is discarded by all and trained again. A group that was behind and
+voted differently heals at the next quorum (the quorum's highest step wins).
+
+torchft's own wrappers (its DDP, OptimizerWrapper, the FSDP hook torchtitan installs) hook one
+module per group; here a step may be pipeline stages or several parts, and the guard and the MoE
+routers need the averaged values before the update, so the step calls these hooks itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from parallel3d.base import RunError
+from parallel3d.config.fault_tolerance import lighthouse_address
+from parallel3d.ft.lighthouse import check_reachable
+from parallel3d.ft.membership import MembershipLog, Roster, config_fingerprint, roster_row
+from parallel3d.ft.state import RunState, apply_heal_state, heal_state
+
+
+class ReplicaGroup:
+    """The hooks the training loop and ``train_step`` call (step.ReplicaSync), for one rank."""
+
+    def __init__(self, c, run_dir: Path, run: RunState, *, group_rank: int, group_size: int, start_step: int):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's native side logs every quorum at info
+        from torchft import Manager, ProcessGroupGloo
+
+        ft = c.ft
+        self.ft, self.run, self.group_rank = ft, run, group_rank
+        self.address = lighthouse_address(ft)
+        check_reachable(self.address, timeout_s=ft.connect_timeout_s)
+        self._store, host, port = _group_store(group_rank)
+        timeout = timedelta(seconds=ft.timeout_s)
+        try:
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=lambda: heal_state(run),
+                min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=ft.connect_timeout_s), rank=group_rank, world_size=group_size,
+                store_addr=host, store_port=port, lighthouse_addr=self.address,
+                replica_id=f"parallel3d_{ft.replica_id}", init_sync=False)
+        except RuntimeError as e:
+            raise RunError(f"ft.lighthouse={self.address}: {_first_line(e)}. Fix: start parallel3d-lighthouse "
+                           f"first, or raise ft.connect_timeout_s") from None
+        self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
+        self.log = MembershipLog(run_dir, replicas=ft.replicas, global_batch_size=c.train.global_batch_size,
+                                 enabled=group_rank == 0)
+        self.newcomer, self.healed_from, self.committed = True, None, False
+        self.roster: Roster | None = None
+        self.started = time.perf_counter()
+
+    # -- the loop's hooks -------------------------------------------------------------------
+
+    def begin(self, step: int) -> int:
+        """This step's quorum (a heal included) and roster; returns the step to train, which a heal
+        moves to the live peers' next. Raises RunError (one line) for a refused group or a lost
+        lighthouse."""
+        self.healed_from, self.committed = None, False
+        try:
+            self.manager.start_quorum()
+        except RunError:
+            raise
+        except Exception as e:  # torchft raises what its quorum RPC raised
+            raise self._quorum_failure(e) from None
+        step = self.manager.current_step() + 1
+        summed = roster_row(replicas=self.ft.replicas, replica_id=self.ft.replica_id, newcomer=self.newcomer,
+                            healed=self.healed_from is not None, fingerprint=self.run.fingerprint)
+        self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
+        self.roster = None if self.manager.errored() else Roster.read(summed, replicas=self.ft.replicas)
+        if self.roster is not None:
+            refusal = self.roster.refusal(replica_id=self.ft.replica_id, newcomer=self.newcomer)
+            if refusal:
+                raise RunError(refusal)
+            if not self.roster.clean:  # a refused group is in this quorum: no gradient crosses to it
+                self.manager.report_error(RuntimeError("a refused replica group is in the quorum"))
+        if self.healed_from is not None and self.group_rank == 0:
+            print(f"parallel3d: ft: healed from replica group {self.healed_from} at step {step - 1} in "
+                  f"{self.heal_s:.2f} s (weights, optimizer, lr schedule, RNG, data position, guard): "
+                  f"training on at step {step}", flush=True)
+        return step
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Only the quorum's lowest replica id writes the persistent checkpoint (in its own run_dir)."""
+        return self.roster is not None and self.roster.participants[:1] == [self.ft.replica_id]
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # -- the step's hooks (step.ReplicaSync) -------------------------------------------------
+
+    @torch.no_grad()
+    def average_gradients(self, params: list[torch.Tensor], loss_sum: torch.Tensor) -> None:
+        grads = [_local(p.grad) for p in params if p.grad is not None] + [loss_sum]
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            self.manager.allreduce(flat).wait()  # the average over the quorum's groups
+            for part, g in zip(flat.split([g.numel() for g in same]), same):
+                g.copy_(part.view_as(g))
+
+    def average(self, tensor: torch.Tensor) -> None:
+        self.manager.allreduce(tensor).wait()
+
+    def commit(self) -> bool:
+        self.committed = self.manager.should_commit()
+        if self.committed:
+            self.newcomer = False
+            self.log.write(self.manager.current_step(), self.roster, self.ft.replica_id)
+        return self.committed
+
+    # -- inside ------------------------------------------------------------------------------
+
+    def _load(self, sent: dict) -> None:
+        start = time.perf_counter()
+        apply_heal_state(self.run, sent)
+        self.healed_from, self.heal_s = sent["replica_id"], time.perf_counter() - start
+
+    def _quorum_failure(self, e: Exception) -> RunError:
+        if self.newcomer:
+            return RunError(f"ft: no quorum from the lighthouse at {self.address} within ft.quorum_timeout_s="
+                            f"{self.ft.quorum_timeout_s:g} ({_first_line(e)}). Fix: start enough replica groups "
+                            f"for its --min-replicas, or check ft.lighthouse")
+        return RunError(f"ft: lost the lighthouse at {self.address} ({_first_line(e)}): no quorum, no step. Fix: "
+                        f"restart parallel3d-lighthouse at that address and restart the groups with the same commands")
+
+
+def join_replicas(c, run_dir: Path, *, train, guard, sampler, start_step: int) -> ReplicaGroup:
+    """This rank's ReplicaGroup for a validated config with ft.enabled (the torchrun job is the group)."""
+    run = RunState(train=train, guard=guard, sampler=sampler, fingerprint=config_fingerprint(c),
+                   replica_id=c.ft.replica_id, float8_all_gather=c.train.float8_fsdp_all_gather)
+    group_size = dist.get_world_size() if dist.is_initialized() else 1
+    group_rank = dist.get_rank() if dist.is_initialized() else 0
+    return ReplicaGroup(c, run_dir, run, group_rank=group_rank, group_size=group_size, start_step=start_step)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _group_store(group_rank: int):
+    """A TCPStore for the group's managers, hosted by its rank 0 (its port shared over the group's
+    process group): the store the other groups reach this one's cross-group process group through."""
+    from torch.distributed import TCPStore
+
+    host = socket.gethostname()
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False) if group_rank == 0 else None
+    box = [(host, store.port) if store is not None else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return store, *box[0]
