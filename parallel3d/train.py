@@ -195,7 +195,7 @@ class TrainLoop:
         while step < t.steps:
             step += 1
             if self.replicas is not None:  # a heal moves this group to its live peers' step
-                step = self.join_quorum(step)
+                step = self.join_quorum()
             watchdog.mark(step)  # a stall from here on is named when a collective times out
             self.checkpointer.poll()
             lr = self.setup.scheduler.get_last_lr()[0]
@@ -238,9 +238,9 @@ class TrainLoop:
         self.setup.optimizer.zero_grad(set_to_none=True)  # every trainable parameter, without walking the modules
         return loss_sum, grad_norm
 
-    def join_quorum(self, step: int) -> int:
+    def join_quorum(self) -> int:
         """ft.enabled: the step's quorum; after a heal or a discarded step the batches restart at the step."""
-        step = self.replicas.begin(step)
+        step = self.replicas.begin()
         if self.replicas.healed_from is not None or step != self.batches.next_step:
             self.batches.close()
             self.batches = Prefetcher(self.sampler, step, self.setup.config.train.steps)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from parallel3d.base import RunError
 
 ROW = 4  # present, newcomer, healed, fingerprint
 # The config every group must share: whatever changes the numbers a step computes or the data it reads.
@@ -84,7 +84,8 @@ class Roster:
 
 class MembershipLog:
     """run_dir/ft/membership.jsonl, written by the group's rank 0: one line per committed step. A step
-    trained again after a restart from an older checkpoint gets a new line; the last one counts."""
+    trained again after every group restarted from an older checkpoint gets a new line: the latest
+    line of a step counts."""
 
     def __init__(self, run_dir: Path, *, replicas: int, global_batch_size: int, enabled: bool):
         self.path = run_dir / "ft" / "membership.jsonl"
@@ -92,31 +93,40 @@ class MembershipLog:
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def entry(self, step: int, roster: Roster, replica_id: int) -> dict:
+    def entry(self, step: int, roster: Roster, replica_id: int, *, discarded: int = 0,
+              joined_after_s: float | None = None) -> dict:
+        """``discarded``: earlier attempts at this step that some group failed; ``joined_after_s``: on
+        this group's first committed step since it started, the seconds from the end of its start-up
+        (model built, data ready) to this commit: the quorum, the heal and one step."""
         dropped = [r for r in range(self.replicas) if r not in roster.participants]
-        return {"step": step, "replica_id": replica_id, "participants": roster.participants,
+        return {"step": step, "time": round(time.time(), 3), "replica_id": replica_id, "joined_after_s": joined_after_s,
+                "discarded_attempts": discarded, "participants": roster.participants,
                 "healed": roster.healed, "trained_slices": roster.participants, "dropped_slices": dropped,
                 "slice_rows": self.slice_rows, "samples_trained": len(roster.participants) * self.slice_rows,
                 "samples_dropped": len(dropped) * self.slice_rows}
 
-    def write(self, step: int, roster: Roster, replica_id: int) -> None:
+    def write(self, step: int, roster: Roster, replica_id: int, **details) -> None:
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps(self.entry(step, roster, replica_id)) + "\n")
+                f.write(json.dumps(self.entry(step, roster, replica_id, **details)) + "\n")
 
 
 def read_membership(paths: list[Path]) -> dict[int, dict]:
-    """Step -> its entry, from the membership logs of one run's groups. A step's last line in a file
-    counts; two groups' lines of one step must agree on who trained what. Raises RunError if not."""
-    steps: dict[int, dict] = {}
-    for path in paths:
-        own = {}
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            own[entry["step"]] = entry
-        for step, entry in own.items():
-            seen = steps.setdefault(step, entry)
-            if (seen["participants"], seen["trained_slices"]) != (entry["participants"], entry["trained_slices"]):
-                raise RunError(f"{path}: step {step} trained slices {entry['trained_slices']} here, "
-                               f"{seen['trained_slices']} in another group's log. Fix: replay one run's logs only")
-    return dict(sorted(steps.items()))
+    """Step -> the entry of the commit the run's final weights descend from, from the membership
+    logs of all its groups. Walked back from the last step: a step's state came from the previous
+    step's commit of a participant that did not heal (its own latest line of that step written
+    before), so lines a restart from an older checkpoint undid, or a group that trained alone
+    before healing from a peer, drop out. Raises ValueError when a step has no such line."""
+    lines = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+    if not lines:
+        return {}
+    current = max(lines, key=lambda e: (e["step"], e["time"]))
+    chain = {current["step"]: current}
+    for step in range(current["step"] - 1, 0, -1):
+        carried = set(current["participants"]) - set(current["healed"])
+        earlier = [e for e in lines if e["step"] == step and e["replica_id"] in carried and e["time"] < current["time"]]
+        if not earlier:
+            raise ValueError(f"no group of step {step + 1}'s quorum {sorted(carried)} logged step {step}: "
+                             f"pass the membership.jsonl of every group")
+        current = chain[step] = max(earlier, key=lambda e: e["time"])
+    return dict(sorted(chain.items()))

@@ -43,6 +43,7 @@ class ReplicaGroup:
 
         ft = c.ft
         self.ft, self.run, self.group_rank = ft, run, group_rank
+        self.sleep_s, self.fail_steps = c.debug.step_sleep_s, set(c.debug.ft_fail_steps)  # test-only faults
         self.address = lighthouse_address(ft)
         check_reachable(self.address, timeout_s=ft.connect_timeout_s)
         self._store, host, port = _group_store(group_rank)
@@ -62,25 +63,28 @@ class ReplicaGroup:
         self.log = MembershipLog(run_dir, replicas=ft.replicas, global_batch_size=c.train.global_batch_size,
                                  enabled=group_rank == 0)
         self.newcomer, self.healed_from, self.committed = True, None, False
+        self.discarded = 0  # attempts at the step to commit next that some group failed
+        self.healed_uncommitted = False  # healed since its last commit (a discarded step keeps the mark)
         self.roster: Roster | None = None
-        self.started = time.perf_counter()
+        self.ready_at = time.time()  # start-up done: what follows until the first commit is joining
 
     # -- the loop's hooks -------------------------------------------------------------------
 
-    def begin(self, step: int) -> int:
+    def begin(self) -> int:
         """This step's quorum (a heal included) and roster; returns the step to train, which a heal
         moves to the live peers' next. Raises RunError (one line) for a refused group or a lost
         lighthouse."""
         self.healed_from, self.committed = None, False
+        time.sleep(self.sleep_s)
         try:
             self.manager.start_quorum()
         except RunError:
             raise
         except Exception as e:  # torchft raises what its quorum RPC raised
             raise self._quorum_failure(e) from None
-        step = self.manager.current_step() + 1
+        self.step = step = self.manager.current_step() + 1
         summed = roster_row(replicas=self.ft.replicas, replica_id=self.ft.replica_id, newcomer=self.newcomer,
-                            healed=self.healed_from is not None, fingerprint=self.run.fingerprint)
+                            healed=self.healed_uncommitted, fingerprint=self.run.fingerprint)
         self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
         self.roster = None if self.manager.errored() else Roster.read(summed, replicas=self.ft.replicas)
         if self.roster is not None:
@@ -107,23 +111,34 @@ class ReplicaGroup:
 
     @torch.no_grad()
     def average_gradients(self, params: list[torch.Tensor], loss_sum: torch.Tensor) -> None:
-        grads = [_local(p.grad) for p in params if p.grad is not None] + [loss_sum]
+        """One flat all-reduce per dtype. Its last element is each group's health (1: its part is
+        sound): a group whose side failed (``debug.ft_fail_steps`` injects it) still takes part, and
+        every group reads the failure from the average and discards the step, not only that one."""
+        failed = self.step in self.fail_steps
+        self.fail_steps.discard(self.step)  # once: the step trained again succeeds
+        health = torch.tensor([0.0 if failed else 1.0])
+        grads = [_local(p.grad) for p in params if p.grad is not None] + [loss_sum, health]
         for dtype in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in same])
             self.manager.allreduce(flat).wait()  # the average over the quorum's groups
             for part, g in zip(flat.split([g.numel() for g in same]), same):
                 g.copy_(part.view_as(g))
+        if health.item() != 1.0:
+            self.manager.report_error(RuntimeError(f"a replica group's all-reduce failed at step {self.step}"))
 
     def average(self, tensor: torch.Tensor) -> None:
         self.manager.allreduce(tensor).wait()
 
     def commit(self) -> bool:
         self.committed = self.manager.should_commit()
-        if self.committed:
-            self.newcomer = False
-            self.log.write(self.manager.current_step(), self.roster, self.ft.replica_id)
-        return self.committed
+        if not self.committed:
+            self.discarded += 1
+            return False
+        self.log.write(self.manager.current_step(), self.roster, self.ft.replica_id, discarded=self.discarded,
+                       joined_after_s=round(time.time() - self.ready_at, 3) if self.newcomer else None)
+        self.newcomer, self.discarded, self.healed_uncommitted = False, 0, False
+        return True
 
     # -- inside ------------------------------------------------------------------------------
 
@@ -131,6 +146,7 @@ class ReplicaGroup:
         start = time.perf_counter()
         apply_heal_state(self.run, sent)
         self.healed_from, self.heal_s = sent["replica_id"], time.perf_counter() - start
+        self.healed_uncommitted = True
 
     def _quorum_failure(self, e: Exception) -> RunError:
         if self.newcomer:

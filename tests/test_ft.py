@@ -1,0 +1,167 @@
+"""Fault tolerance across replica groups (parallel3d/ft/, docs/fault-tolerance.md): the keys, the
+roster each quorum sums, the membership log's lineage, the state a heal copies (in one process),
+and, with real groups under a lighthouse, kills, heals and refusals (tests/ft_cluster.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from parallel3d.base import ConfigError
+from parallel3d.config.compose import compose
+from parallel3d.ft.membership import MembershipLog, Roster, config_fingerprint, read_membership, roster_row
+from parallel3d.validate import check
+
+pytest.importorskip("torchft")
+
+FT = ["ft.enabled=true", "ft.lighthouse=http://localhost:29510"]
+
+# (overrides, world size, key the message must name, words it must contain)
+BAD = [
+    (["ft.enabled=true"], 1, "ft.lighthouse", "parallel3d-lighthouse"),
+    ([*FT, "ft.lighthouse=localhost:29510"], 1, "ft.lighthouse", "http://HOST:PORT"),
+    ([*FT, "ft.replica_id=2"], 1, "ft.replica_id", "0..1"),
+    ([*FT, "ft.min_replicas=3"], 1, "ft.min_replicas", "ft.replicas=2"),
+    ([*FT, "ft.semi_sync=streaming"], 1, "ft.semi_sync", "none"),
+    ([*FT, "ft.quorum_timeout_s=0"], 1, "ft.quorum_timeout_s", "> 0"),
+    ([*FT, "train.global_batch_size=12"], 2, "train.global_batch_size", "ft.replicas=2 x"),
+    ([*FT, "train.on_bad_step=skip"], 1, "train.on_bad_step", "stop"),
+    (["debug.ft_fail_steps=[2]"], 1, "debug.ft_fail_steps", "ft.enabled=true"),
+]
+
+
+@pytest.mark.parametrize("overrides,world_size,key,words", BAD, ids=[b[2] for b in BAD])
+def test_ft_keys_are_refused_before_any_process_group_in_one_line(overrides, world_size, key, words):
+    with pytest.raises(ConfigError) as refused:
+        check(compose(["run_dir=/nonexistent", *overrides]), world_size)
+    message = str(refused.value)
+    assert refused.value.key == key and words in message and "\n" not in message, message
+
+
+def test_a_valid_ft_config_passes_and_each_group_trains_its_slice_of_the_batch():
+    from parallel3d.config.fault_tolerance import batch_share, check_ft
+
+    cfg = check(compose(["run_dir=/nonexistent", *FT, "ft.replica_id=1"]), 2)
+    assert batch_share(OmegaConf.to_object(cfg)) == (1, 2)
+    cfg.data.format = "chat"  # past data's own checks (its files), the ft check alone
+    with pytest.raises(ConfigError, match="data.format=chat: fault tolerance averages"):
+        check_ft(cfg)
+
+
+def test_the_fingerprint_is_the_config_groups_share_not_their_id_or_run_dir():
+    def fingerprint(*overrides):
+        return config_fingerprint(OmegaConf.to_object(check(compose([*FT, *overrides]), 1)))
+
+    one = fingerprint("run_dir=/a", "ft.replica_id=0", "ft.timeout_s=5")
+    assert one == fingerprint("run_dir=/b", "ft.replica_id=1", "ft.timeout_s=9")
+    assert one != fingerprint("run_dir=/a", "model.n_layers=2")
+    assert one != fingerprint("run_dir=/a", "optim.lr=1e-3")
+
+
+def _summed(*rows) -> torch.Tensor:
+    return sum(roster_row(replicas=3, replica_id=r, newcomer=n, healed=h, fingerprint=f) for r, n, h, f in rows)
+
+
+def test_the_roster_names_participants_heals_and_refuses_newcomers_only():
+    roster = Roster.read(_summed((0, False, False, 7), (2, True, True, 7)), replicas=3)
+    assert (roster.participants, roster.healed, roster.clean) == ([0, 2], [2], True)
+    twice = Roster.read(_summed((0, False, False, 7), (0, True, False, 7)), replicas=3)
+    assert twice.duplicates == [0] and not twice.clean
+    assert "another live replica group has this id" in twice.refusal(replica_id=0, newcomer=True)
+    assert twice.refusal(replica_id=0, newcomer=False) is None  # the group already training stays
+    differs = Roster.read(_summed((1, False, False, 7), (2, True, False, 8)), replicas=3)
+    assert differs.mismatched == [2] and differs.reference == 1
+    assert "differs from the quorum's (replica group 1)" in differs.refusal(replica_id=2, newcomer=True)
+    assert differs.refusal(replica_id=1, newcomer=False) is None
+
+
+def _line(step, writer, participants, healed=(), t=0.0):
+    roster = Roster(participants=list(participants), healed=list(healed), duplicates=[], mismatched=[], reference=0)
+    log = MembershipLog(Path("/nonexistent"), replicas=2, global_batch_size=16, enabled=False)
+    return {**log.entry(step, roster, writer), "time": t}
+
+
+def test_the_log_walk_follows_heals_and_drops_steps_a_restart_undid(tmp_path):
+    lines = [
+        _line(1, 0, [0, 1], t=1), _line(1, 1, [0, 1], t=1),
+        _line(2, 0, [0], t=2),  # group 1 died
+        _line(1, 1, [1], t=3), _line(2, 1, [1], t=4),  # group 1 restarted alone from nothing...
+        _line(3, 0, [0, 1], [1], t=5), _line(3, 1, [0, 1], [1], t=5),  # ...and healed from group 0
+    ]
+    for writer in (0, 1):
+        (tmp_path / f"{writer}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines if e["replica_id"] == writer))
+    chain = read_membership([tmp_path / "0.jsonl", tmp_path / "1.jsonl"])
+    assert [(s, e["replica_id"], e["participants"], e["time"]) for s, e in chain.items()] == [
+        (1, 0, [0, 1], 1), (2, 0, [0], 2), (3, 0, [0, 1], 5)]
+    assert (chain[2]["trained_slices"], chain[2]["dropped_slices"], chain[2]["samples_dropped"]) == ([0], [1], 8)
+
+
+def _run_state(overrides, seed):
+    from types import SimpleNamespace
+
+    from parallel3d.checkpoint.checkpointer import TrainState
+    from parallel3d.ft.state import RunState
+    from parallel3d.runtime.guard import BadStepGuard
+    from parallel3d.step import build_setup
+
+    cfg = check(compose(["train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=16",
+                         "run_dir=/nonexistent", "model=tiny_moe", "model.moe.router=sigmoid",
+                         "train.spike_factor=5", *overrides]), 1)
+    c = OmegaConf.to_object(cfg)
+    setup = build_setup(c, torch.device("cpu"))
+    guard = BadStepGuard.for_run(c.train, c.debug)
+    run = RunState(train=TrainState(setup.parts, setup.optimizer, setup.scheduler), guard=guard,
+                   sampler=SimpleNamespace(offset=0), fingerprint=config_fingerprint(c), replica_id=seed)
+    torch.manual_seed(seed)
+    return setup, run
+
+
+def _steps(setup, guard, n, seed):
+    from parallel3d.step import train_step
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = setup.config.model.vocab_size
+    for _ in range(n):
+        batches = [(torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g))
+                   for _ in range(2)]
+        train_step(setup, batches, guard=guard)
+        setup.optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_heal_copies_everything_that_defines_the_run_bitwise():
+    """A group that trained 3 steps sends its state (through torch.save, as torchft's HTTP transport
+    does) to a fresh one: weights, router biases, optimizer moments and step counts, the lr in the
+    param groups and the scheduler, RNG, data position, guard. Both then train one more step on one
+    batch and stay bitwise equal; a peer of another config is refused in one line."""
+    from parallel3d.base import RunError
+    from parallel3d.ft.state import apply_heal_state, heal_state
+
+    live, live_run = _run_state([], seed=0)
+    _steps(live, live_run.guard, 3, seed=1)
+    live_run.sampler.offset = 32
+    fresh, fresh_run = _run_state([], seed=1)
+    sent = heal_state(live_run)
+    buffer = io.BytesIO()
+    torch.save(sent, buffer)
+    buffer.seek(0)
+    torch.manual_seed(123)  # the receiver's own stream, replaced by the peer's
+    apply_heal_state(fresh_run, torch.load(buffer, weights_only=False))
+    assert torch.equal(torch.get_rng_state(), sent["rng"]["cpu"])
+    assert fresh.scheduler.state_dict() == live.scheduler.state_dict()
+    assert [g["lr"] for g in fresh.optimizer.param_groups] == [g["lr"] for g in live.optimizer.param_groups]
+    assert fresh_run.guard.state_dict() == live_run.guard.state_dict() and fresh_run.sampler.offset == 32
+    for setup in (live, fresh):
+        _steps(setup, None, 1, seed=2)
+    for (name, a), b in zip(live.model.state_dict().items(), fresh.model.state_dict().values()):
+        assert torch.equal(a, b), name  # parameters and the routers' bias buffers
+    for a, b in zip(live.optimizer.state.values(), fresh.optimizer.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    other, other_run = _run_state(["model.n_layers=2"], seed=2)
+    with pytest.raises(RunError, match="trains another config") as refused:
+        apply_heal_state(other_run, heal_state(live_run))
+    assert "\n" not in str(refused.value)
