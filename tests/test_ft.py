@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,79 @@ def test_a_heal_copies_everything_that_defines_the_run_bitwise():
     with pytest.raises(RunError, match="trains another config") as refused:
         apply_heal_state(other_run, heal_state(live_run))
     assert "\n" not in str(refused.value)
+
+
+def _group_config(address: str, steps: int) -> list[str]:
+    # optim.lr=1e-3: float32 round-off between the groups' sums and one process's grows along the
+    # steps slower than at the default 3e-3, so the oracle's 1e-6 on the weights measures the run.
+    return [f"train.steps={steps}", "optim.warmup_steps=2", "optim.lr=1e-3", "train.seq_len=64",
+            "train.global_batch_size=16", "optim.eps=1e-6", "ft.enabled=true", f"ft.lighthouse={address}", "ft.replicas=2", "ft.timeout_s=20",
+            "ft.quorum_timeout_s=120", "train.save_model=true", "checkpoint.every=5",
+            "debug.ft_alone_sleep_s=4"]  # a survivor slow enough for the restarted group to find it training
+
+
+def _replayed_weights(overrides: list[str], logs: list[Path], out: Path) -> dict:
+    """The oracle: one process retrains the log's chain of steps; its export, read as the groups' are."""
+    from conftest import final_weights
+
+    from parallel3d.checkpoint.checkpointer import full_model_state
+    from parallel3d.ft.replay import replay
+    from parallel3d.hf.export import save_run_model
+
+    c = OmegaConf.to_object(check(compose([f"run_dir={out}", *overrides]), 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        setup = replay(c, logs)
+    finally:
+        torch.set_num_threads(threads)
+    out.mkdir()
+    save_run_model(out, full_model_state(setup.parts, None), model_cfg=c.model, tokenizer=c.data.tokenizer)
+    return final_weights(out)
+
+
+@pytest.mark.multirank
+def test_a_killed_group_heals_from_its_live_peer_and_the_log_replays_to_the_weights(tmp_path):
+    """Two groups of 2 ranks (dp_shard=2) under one lighthouse. Group 1's side of the all-reduce
+    fails at step 2 (both groups discard it and train it again); one of its ranks is SIGKILLed at
+    step 4 (torchrun takes the group down); group 0 trains on alone, dropping slice 1; group 1,
+    started again with the same command, heals from group 0 and says so in one line. Both export
+    bitwise-equal weights, only group 0 wrote checkpoints, and one process replaying the membership
+    log ends with the same weights within 1e-6."""
+    from conftest import final_weights
+    from ft_cluster import group_job, membership, start_lighthouse, wait_for
+
+    lighthouse, address = start_lighthouse(tmp_path)
+    jobs = [lighthouse]
+    try:
+        common = _group_config(address, steps=24)
+        g0, g1 = group_job(tmp_path, 0, common), group_job(tmp_path, 1, [*common, "debug.ft_fail_steps=[2]"])
+        jobs += [g0.start(), g1.start()]
+        both = lambda: sum(e["participants"] == [0, 1] for e in membership(tmp_path / "group1")) >= 3  # noqa: E731
+        wait_for(both, 300, lambda: g1.stderr[-3000:])
+        os.kill(max(g1.ranks()), signal.SIGKILL)  # one rank: torchrun ends the rest of the group
+        g1.wait(120)
+        before_restart = len(g1.stdout)
+        g1.start()  # the same command, the same run_dir (its lock taken over from the dead job)
+        assert g0.wait(300) == 0, g0.stderr[-3000:]
+        assert g1.wait(300) == 0, g1.stderr[-3000:]
+    finally:
+        for job in jobs:
+            if job.proc is not None and job.proc.poll() is None:
+                job.kill()
+    heal_lines = [line for line in g1.stdout[before_restart:].splitlines() if "parallel3d: ft: heal" in line]
+    assert len(heal_lines) == 1 and "from replica group 0" in heal_lines[0], g1.stdout[before_restart:]
+    logs = [tmp_path / f"group{g}" / "ft" / "membership.jsonl" for g in (0, 1)]
+    chain = read_membership(logs)  # the steps the final weights descend from
+    assert list(chain) == list(range(1, 25))
+    assert chain[2]["discarded_attempts"] >= 1  # failed on group 1's side, discarded by every group
+    alone = [e for e in chain.values() if e["participants"] == [0]]
+    assert alone and all(e["dropped_slices"] == [1] and e["samples_dropped"] == 8 for e in alone)
+    assert any(e["healed"] == [1] for e in chain.values())
+    weights = final_weights(tmp_path / "group0")
+    assert all(torch.equal(weights[k], v) for k, v in final_weights(tmp_path / "group1").items())
+    assert (tmp_path / "group0" / "checkpoints" / "step_24" / "COMPLETE").exists()
+    assert not (tmp_path / "group1" / "checkpoints").exists()
+    replayed = _replayed_weights(common, logs, tmp_path / "replay")
+    worst = max((weights[k] - replayed[k]).abs().max().item() for k in weights)
+    assert worst <= 1e-6, worst

@@ -34,13 +34,13 @@ def check_ft(cfg) -> None:
     """Raise ConfigError for ``ft.*`` keys that cannot run (nothing when ft.enabled is false)."""
     ft, t, p = cfg.ft, cfg.train, cfg.parallel
     if not ft.enabled:
-        if cfg.debug.ft_fail_steps or cfg.debug.step_sleep_s:
-            key = "debug.ft_fail_steps" if cfg.debug.ft_fail_steps else "debug.step_sleep_s"
-            raise ConfigError(key, cfg.debug.ft_fail_steps or cfg.debug.step_sleep_s, "a fault-tolerance test key",
+        if cfg.debug.ft_fail_steps or cfg.debug.ft_alone_sleep_s:
+            key = "debug.ft_fail_steps" if cfg.debug.ft_fail_steps else "debug.ft_alone_sleep_s"
+            raise ConfigError(key, cfg.debug.ft_fail_steps or cfg.debug.ft_alone_sleep_s, "a fault-tolerance test key",
                               "set ft.enabled=true, or remove it")
         return
-    if cfg.debug.step_sleep_s < 0:
-        raise ConfigError("debug.step_sleep_s", cfg.debug.step_sleep_s, "must be >= 0", "use seconds, or 0")
+    if cfg.debug.ft_alone_sleep_s < 0:
+        raise ConfigError("debug.ft_alone_sleep_s", cfg.debug.ft_alone_sleep_s, "must be >= 0", "use seconds, or 0")
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError("ft.enabled", True, "torchft is not installed",
                           "pip install 'parallel3d[ft]' (torchft 0.2.0), or ft.enabled=false")

@@ -273,10 +273,11 @@ class DebugConfig:
     grad_noise: float = 0.0
     grad_noise_draw: int = 0
     # Fault tolerance (ft.enabled): this group's part of the cross-group all-reduce fails at these steps
-    # (every group then discards the step and trains it again); every step waits step_sleep_s first
-    # (a run slow enough for a restarted group to rejoin it while the others keep stepping).
+    # (every group then discards the step and trains it again); a step after one with fewer than
+    # ft.replicas groups waits ft_alone_sleep_s first (survivors slow enough for a restarted group to
+    # rejoin them while they keep stepping).
     ft_fail_steps: list[int] = field(default_factory=list)
-    step_sleep_s: float = 0.0
+    ft_alone_sleep_s: float = 0.0
 
 
 @dataclass

@@ -43,7 +43,7 @@ class ReplicaGroup:
 
         ft = c.ft
         self.ft, self.run, self.group_rank = ft, run, group_rank
-        self.sleep_s, self.fail_steps = c.debug.step_sleep_s, set(c.debug.ft_fail_steps)  # test-only faults
+        self.alone_sleep_s, self.fail_steps = c.debug.ft_alone_sleep_s, set(c.debug.ft_fail_steps)  # test-only
         self.address = lighthouse_address(ft)
         check_reachable(self.address, timeout_s=ft.connect_timeout_s)
         self._store, host, port = _group_store(group_rank)
@@ -75,7 +75,8 @@ class ReplicaGroup:
         moves to the live peers' next. Raises RunError (one line) for a refused group or a lost
         lighthouse."""
         self.healed_from, self.committed = None, False
-        time.sleep(self.sleep_s)
+        if self.roster is not None and len(self.roster.participants) < self.ft.replicas:
+            time.sleep(self.alone_sleep_s)
         try:
             self.manager.start_quorum()
         except RunError:
