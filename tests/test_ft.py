@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,52 @@ def test_a_killed_group_heals_from_its_live_peer_and_the_log_replays_to_the_weig
     replayed = _replayed_weights(common, logs, tmp_path / "replay")
     worst = max((weights[k] - replayed[k]).abs().max().item() for k in weights)
     assert worst <= 1e-6, worst
+
+
+def _one_line(job_stderr: str, words: str) -> str:
+    lines = [line for line in job_stderr.splitlines() if line.startswith("parallel3d: error:") and words in line]
+    assert len(lines) == 1, job_stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.multirank
+def test_the_faults_of_fault_tolerance_each_end_in_one_line(tmp_path):
+    """One-process groups: a lighthouse nobody started; then under a live lighthouse, beside a group
+    training, a second group with its replica id and one with another model, each refused; then
+    the lighthouse killed mid-run: the group stops within its timeouts. Each says so in one line."""
+    from ft_cluster import Job, free_port, group_job, membership, start_lighthouse, wait_for
+
+    base = ["train.steps=200", "optim.warmup_steps=2", "train.seq_len=32", "train.global_batch_size=4",
+            "ft.enabled=true", "ft.timeout_s=5", "ft.quorum_timeout_s=5", "ft.connect_timeout_s=2",
+            "checkpoint.every=2", "debug.ft_alone_sleep_s=0.3"]
+    nobody = group_job(tmp_path, 0, [*base, f"ft.lighthouse=http://localhost:{free_port()}"], nproc=1,
+                       name="nobody").start()
+    lighthouse, address = start_lighthouse(tmp_path)
+    jobs: list[Job] = [nobody, lighthouse]
+    try:
+        live = group_job(tmp_path, 0, [*base, f"ft.lighthouse={address}"], nproc=1, name="live").start()
+        jobs.append(live)
+        assert nobody.wait(120) != 0
+        _one_line(nobody.stderr, "no lighthouse answers")
+        wait_for(lambda: len(membership(tmp_path / "live")) >= 2, 180, lambda: live.stderr[-3000:])
+        for name, replica_id, extra, words in [("twin", 0, [], "another live replica group has this id"),
+                                               ("other", 1, ["model.n_layers=2"], "trains another config")]:
+            intruder = group_job(tmp_path, replica_id, [*base, f"ft.lighthouse={address}", *extra], nproc=1,
+                                 name=name).start()
+            jobs.append(intruder)
+            assert intruder.wait(180) != 0
+            _one_line(intruder.stderr, words)
+        committed = len(membership(tmp_path / "live"))
+        wait_for(lambda: len(membership(tmp_path / "live")) > committed, 60, lambda: live.stderr[-3000:])
+        lighthouse.kill()
+        killed_at = time.time()
+        assert live.wait(120) != 0
+        assert time.time() - killed_at < 5 + 5 + 30  # its quorum and collective timeouts, and exiting
+    finally:
+        for job in jobs:
+            if job.proc is not None and job.proc.poll() is None:
+                job.kill()
+    _one_line(live.stderr, "lost the lighthouse")
+    last = membership(tmp_path / "live")[-1]["step"]
+    saved = sorted(int(p.parent.name.split("_")[1]) for p in (tmp_path / "live" / "checkpoints").glob("step_*/COMPLETE"))
+    assert saved and saved[-1] <= last  # every checkpoint a committed step's

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 from urllib.parse import urlparse
 
-from parallel3d.base import RunError
+from parallel3d.ft import FTError
 
 
 def start_lighthouse(*, min_replicas: int, port: int, join_timeout_ms: int, heartbeat_timeout_ms: int,
@@ -25,13 +25,13 @@ def start_lighthouse(*, min_replicas: int, port: int, join_timeout_ms: int, hear
 
 
 def check_reachable(address: str, *, timeout_s: float) -> None:
-    """Raise RunError (one line) unless something listens at the lighthouse's ``address``; every
+    """Raise FTError (one line) unless something listens at the lighthouse's ``address``; every
     rank checks before torchft's manager would wait on it."""
     url = urlparse(address)
     try:
         with socket.create_connection((url.hostname, url.port), timeout=timeout_s):
             return
     except OSError as e:
-        raise RunError(f"ft.lighthouse={address}: no lighthouse answers ({e.strerror or e}) within "
+        raise FTError(f"ft.lighthouse={address}: no lighthouse answers ({e.strerror or e}) within "
                        f"ft.connect_timeout_s={timeout_s:g}. Fix: start `parallel3d-lighthouse --min-replicas N "
                        f"--port P` first and pass the address it prints") from None

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from parallel3d.base import RunError
+from parallel3d.ft import FTError
 from parallel3d.config.fault_tolerance import lighthouse_address
 from parallel3d.ft.lighthouse import check_reachable
 from parallel3d.ft.membership import MembershipLog, Roster, config_fingerprint, roster_row
@@ -57,7 +57,7 @@ class ReplicaGroup:
                 store_addr=host, store_port=port, lighthouse_addr=self.address,
                 replica_id=f"parallel3d_{ft.replica_id}", init_sync=False)
         except RuntimeError as e:
-            raise RunError(f"ft.lighthouse={self.address}: {_first_line(e)}. Fix: start parallel3d-lighthouse "
+            raise FTError(f"ft.lighthouse={self.address}: {_first_line(e)}. Fix: start parallel3d-lighthouse "
                            f"first, or raise ft.connect_timeout_s") from None
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         self.log = MembershipLog(run_dir, replicas=ft.replicas, global_batch_size=c.train.global_batch_size,
@@ -72,14 +72,14 @@ class ReplicaGroup:
 
     def begin(self) -> int:
         """This step's quorum (a heal included) and roster; returns the step to train, which a heal
-        moves to the live peers' next. Raises RunError (one line) for a refused group or a lost
+        moves to the live peers' next. Raises FTError (one line) for a refused group or a lost
         lighthouse."""
         self.healed_from, self.committed = None, False
         if self.roster is not None and len(self.roster.participants) < self.ft.replicas:
             time.sleep(self.alone_sleep_s)
         try:
             self.manager.start_quorum()
-        except RunError:
+        except FTError:
             raise
         except Exception as e:  # torchft raises what its quorum RPC raised
             raise self._quorum_failure(e) from None
@@ -91,7 +91,7 @@ class ReplicaGroup:
         if self.roster is not None:
             refusal = self.roster.refusal(replica_id=self.ft.replica_id, newcomer=self.newcomer)
             if refusal:
-                raise RunError(refusal)
+                raise FTError(refusal)
             if not self.roster.clean:  # a refused group is in this quorum: no gradient crosses to it
                 self.manager.report_error(RuntimeError("a refused replica group is in the quorum"))
         if self.healed_from is not None and self.group_rank == 0:
@@ -149,12 +149,12 @@ class ReplicaGroup:
         self.healed_from, self.heal_s = sent["replica_id"], time.perf_counter() - start
         self.healed_uncommitted = True
 
-    def _quorum_failure(self, e: Exception) -> RunError:
+    def _quorum_failure(self, e: Exception) -> FTError:
         if self.newcomer:
-            return RunError(f"ft: no quorum from the lighthouse at {self.address} within ft.quorum_timeout_s="
+            return FTError(f"ft: no quorum from the lighthouse at {self.address} within ft.quorum_timeout_s="
                             f"{self.ft.quorum_timeout_s:g} ({_first_line(e)}). Fix: start enough replica groups "
                             f"for its --min-replicas, or check ft.lighthouse")
-        return RunError(f"ft: lost the lighthouse at {self.address} ({_first_line(e)}): no quorum, no step. Fix: "
+        return FTError(f"ft: lost the lighthouse at {self.address} ({_first_line(e)}): no quorum, no step. Fix: "
                         f"restart parallel3d-lighthouse at that address and restart the groups with the same commands")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from parallel3d.base import RunError
+from parallel3d.ft import FTError
 from parallel3d.checkpoint.checkpointer import TrainState
 from parallel3d.optim.adamw import init_optimizer_state
 from parallel3d.parallel.float8 import precompute_float8_scales
@@ -67,10 +67,10 @@ def heal_state(run: RunState) -> dict:
 
 @torch.no_grad()
 def apply_heal_state(run: RunState, sent: dict) -> None:
-    """Make this rank's state the peer's ``sent`` state, bitwise. Raises RunError (one line) when
+    """Make this rank's state the peer's ``sent`` state, bitwise. Raises FTError (one line) when
     the peer trains another config or another layout."""
     if sent["fingerprint"] != run.fingerprint:
-        raise RunError(f"ft: replica group {sent['replica_id']} trains another config (model, global batch, "
+        raise FTError(f"ft: replica group {sent['replica_id']} trains another config (model, global batch, "
                        f"optimizer, data or layout) than this group: nothing copied. Fix: start every replica "
                        f"group with the same config but ft.replica_id")
     t = run.train
@@ -79,12 +79,12 @@ def apply_heal_state(run: RunState, sent: dict) -> None:
         init_optimizer_state(t.optimizer)
     entries = _entries(t, with_optimizer)
     if [name for name, _ in entries] != sent["names"]:
-        raise RunError(f"ft: the state of replica group {sent['replica_id']} does not match this group's tensors. "
+        raise FTError(f"ft: the state of replica group {sent['replica_id']} does not match this group's tensors. "
                        f"Fix: start every replica group with the same config and layout")
     for (name, mine), theirs in zip(entries, sent["tensors"]):
         local = _local(mine)
         if local.shape != theirs.shape or local.dtype != theirs.dtype:
-            raise RunError(f"ft: {name} is {tuple(theirs.shape)} {theirs.dtype} in replica group "
+            raise FTError(f"ft: {name} is {tuple(theirs.shape)} {theirs.dtype} in replica group "
                            f"{sent['replica_id']}, {tuple(local.shape)} {local.dtype} here. Fix: one layout for all")
         local.copy_(theirs)
     for group, values in zip(t.optimizer.param_groups, sent["param_groups"]):
