@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -15,10 +16,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from parallel3d.base import ConfigError
-from parallel3d.config.compose import compose
-from parallel3d.ft.membership import MembershipLog, Roster, config_fingerprint, read_membership, roster_row
-from parallel3d.validate import check
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # ft_cluster: groups as jobs
+
+from parallel3d.base import ConfigError  # noqa: E402
+from parallel3d.config.compose import compose  # noqa: E402
+from parallel3d.ft.membership import MembershipLog, Roster, config_fingerprint, read_membership, roster_row  # noqa: E402
+from parallel3d.validate import check  # noqa: E402
 
 pytest.importorskip("torchft")
 
@@ -293,3 +296,18 @@ def test_the_faults_of_fault_tolerance_each_end_in_one_line(tmp_path):
     last = membership(tmp_path / "live")[-1]["step"]
     saved = sorted(int(p.parent.name.split("_")[1]) for p in (tmp_path / "live" / "checkpoints").glob("step_*/COMPLETE"))
     assert saved and saved[-1] <= last  # every checkpoint a committed step's
+
+
+def test_the_planner_and_the_dry_run_count_the_cross_group_traffic():
+    """Each rank all-reduces its gradient shard with the other groups once a step: the planner's
+    bytes and the dry run's (the real step's gradients, counted) agree, and are absent without ft."""
+    from parallel3d.planner import predict
+    from parallel3d.planner.dryrun import run_rank
+
+    c = OmegaConf.to_object(check(compose(["run_dir=/nonexistent", *FT, "parallel.dp_shard=2"]), 2))
+    planned = predict(c, 2).comm_bytes["ft"]["all_reduce"]
+    counted = run_rank(c, 2, 0).comm["ft"]["all_reduce"]
+    assert counted.group_size == 2 and counted.calls == 1
+    assert counted.sent_bytes == pytest.approx(planned + 4, rel=1e-9)  # + the loss, a float32 scalar
+    plain = OmegaConf.to_object(check(compose(["run_dir=/nonexistent", "parallel.dp_shard=2"]), 2))
+    assert "ft" not in predict(plain, 2).comm_bytes

@@ -17,6 +17,7 @@ routers need the averaged values before the update, so the step calls these hook
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -39,6 +40,7 @@ class ReplicaGroup:
 
     def __init__(self, c, run_dir: Path, run: RunState, *, group_rank: int, group_size: int, start_step: int):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's native side logs every quorum at info
+        logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_note)
         from torchft import Manager, ProcessGroupGloo
 
         ft = c.ft
@@ -165,6 +167,11 @@ def join_replicas(c, run_dir: Path, *, train, guard, sampler, start_step: int) -
     group_size = dist.get_world_size() if dist.is_initialized() else 1
     group_rank = dist.get_rank() if dist.is_initialized() else 0
     return ReplicaGroup(c, run_dir, run, group_rank=group_rank, group_size=group_size, start_step=start_step)
+
+
+def _no_flight_recorder_note(record: logging.LogRecord) -> bool:
+    """torchft warns at each new quorum that it cannot reset NCCL's flight recorder: true of gloo, always."""
+    return "flight recorder" not in record.getMessage()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A lighthouse and replica-group jobs on this machine, for the fault-tolerance tests and benchmark:
+"""A lighthouse and replica-group jobs on this machine, for tests/test_ft.py and tools/bench_ft.py:
 each group a torchrun job in its own session (so a SIGKILL takes the whole group), its output in
 files beside its run_dir, started again with the same command."""
 
