@@ -101,8 +101,8 @@ def train(cfg: DictConfig) -> Path:
     tensorboard = start_tensorboard(run_dir, start_step) if is_rank0 and c.logging.tensorboard else None
     logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress,
                            tensorboard=tensorboard)
-    replicas = join_replicas(c, run_dir, train=state, guard=guard, sampler=sampler,
-                             start_step=start_step) if c.ft.enabled else None  # fault tolerance across groups
+    replicas = join_replicas(c, run_dir, train=state, guard=guard, sampler=sampler, start_step=start_step,
+                             device=device) if c.ft.enabled else None  # fault tolerance across groups
     loop = TrainLoop(setup, sampler, checkpointer, state, logger, progress, config_yaml, evaluator, guard, replicas)
     if is_rank0:
         print_banner(c, setup, world_size, run_dir)

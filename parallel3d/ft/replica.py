@@ -38,13 +38,14 @@ from parallel3d.ft.state import RunState, apply_heal_state, heal_state
 class ReplicaGroup:
     """The hooks the training loop and ``train_step`` call (step.ReplicaSync), for one rank."""
 
-    def __init__(self, c, run_dir: Path, run: RunState, *, group_rank: int, group_size: int, start_step: int):
+    def __init__(self, c, run_dir: Path, run: RunState, *, group_rank: int, group_size: int, start_step: int,
+                 device: torch.device = torch.device("cpu")):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's native side logs every quorum at info
         logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_note)
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         ft = c.ft
-        self.ft, self.run, self.group_rank = ft, run, group_rank
+        self.ft, self.run, self.group_rank, self.device = ft, run, group_rank, device
         self.alone_sleep_s, self.fail_steps = c.debug.ft_alone_sleep_s, set(c.debug.ft_fail_steps)  # test-only
         self.address = lighthouse_address(ft)
         check_reachable(self.address, timeout_s=ft.connect_timeout_s)
@@ -52,7 +53,8 @@ class ReplicaGroup:
         timeout = timedelta(seconds=ft.timeout_s)
         try:
             self.manager = Manager(
-                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=lambda: heal_state(run),
+                pg=(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout),
+                load_state_dict=self._load, state_dict=lambda: heal_state(run),
                 min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=timeout,
                 quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
                 connect_timeout=timedelta(seconds=ft.connect_timeout_s), rank=group_rank, world_size=group_size,
@@ -87,7 +89,7 @@ class ReplicaGroup:
             raise self._quorum_failure(e) from None
         self.step = step = self.manager.current_step() + 1
         summed = roster_row(replicas=self.ft.replicas, replica_id=self.ft.replica_id, newcomer=self.newcomer,
-                            healed=self.healed_uncommitted, fingerprint=self.run.fingerprint)
+                            healed=self.healed_uncommitted, fingerprint=self.run.fingerprint).to(self.device)
         self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
         self.roster = None if self.manager.errored() else Roster.read(summed, replicas=self.ft.replicas)
         if self.roster is not None:
@@ -119,7 +121,7 @@ class ReplicaGroup:
         every group reads the failure from the average and discards the step, not only that one."""
         failed = self.step in self.fail_steps
         self.fail_steps.discard(self.step)  # once: the step trained again succeeds
-        health = torch.tensor([0.0 if failed else 1.0])
+        health = torch.tensor([0.0 if failed else 1.0], device=loss_sum.device)
         grads = [_local(p.grad) for p in params if p.grad is not None] + [loss_sum, health]
         for dtype in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == dtype]
@@ -160,13 +162,14 @@ class ReplicaGroup:
                         f"restart parallel3d-lighthouse at that address and restart the groups with the same commands")
 
 
-def join_replicas(c, run_dir: Path, *, train, guard, sampler, start_step: int) -> ReplicaGroup:
+def join_replicas(c, run_dir: Path, *, train, guard, sampler, start_step: int, device: torch.device) -> ReplicaGroup:
     """This rank's ReplicaGroup for a validated config with ft.enabled (the torchrun job is the group)."""
     run = RunState(train=train, guard=guard, sampler=sampler, fingerprint=config_fingerprint(c),
                    replica_id=c.ft.replica_id, float8_all_gather=c.train.float8_fsdp_all_gather)
     group_size = dist.get_world_size() if dist.is_initialized() else 1
     group_rank = dist.get_rank() if dist.is_initialized() else 0
-    return ReplicaGroup(c, run_dir, run, group_rank=group_rank, group_size=group_size, start_step=start_step)
+    return ReplicaGroup(c, run_dir, run, group_rank=group_rank, group_size=group_size, start_step=start_step,
+                        device=device)
 
 
 def _no_flight_recorder_note(record: logging.LogRecord) -> bool:
