@@ -152,6 +152,9 @@ class ReplicaSync(Protocol):
     def commit(self) -> bool:
         """The vote of every group: False discards the step on all of them (no update, no lr step)."""
 
+    def after_update(self) -> None:
+        """After the update (DiLoCo: at a period's end, the groups' sync and outer step)."""
+
 
 class StepResult(NamedTuple):
     loss_sum: torch.Tensor  # this rank's summed loss
@@ -211,6 +214,8 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard
         if c.train.float8_fsdp_all_gather:  # the next all-gathers' float8 scales, in one all-reduce
             precompute_float8_scales([s.model])
     s.scheduler.step()
+    if replicas is not None:
+        replicas.after_update()
     return StepResult(loss_sum, grad_norm, expert_loads)
 
 

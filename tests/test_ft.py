@@ -38,6 +38,9 @@ BAD = [
     ([*FT, "train.global_batch_size=12"], 2, "train.global_batch_size", "ft.replicas=2 x"),
     ([*FT, "train.on_bad_step=skip"], 1, "train.on_bad_step", "stop"),
     (["debug.ft_fail_steps=[2]"], 1, "debug.ft_fail_steps", "ft.enabled=true"),
+    ([*FT, "ft.semi_sync=diloco", "ft.diloco.inner_steps=0"], 1, "ft.diloco.inner_steps", ">= 1"),
+    ([*FT, "ft.semi_sync=diloco", "ft.diloco.inner_steps=3", "train.steps=10"], 1, "train.steps", "between two syncs"),
+    ([*FT, "ft.semi_sync=diloco", "ft.diloco.outer_momentum=1"], 1, "ft.diloco.outer_momentum", "outer_lr=0.7"),
 ]
 
 
@@ -311,3 +314,44 @@ def test_the_planner_and_the_dry_run_count_the_cross_group_traffic():
     assert counted.sent_bytes == pytest.approx(planned + 4, rel=1e-9)  # + the loss, a float32 scalar
     plain = OmegaConf.to_object(check(compose(["run_dir=/nonexistent", "parallel.dp_shard=2"]), 2))
     assert "ft" not in predict(plain, 2).comm_bytes
+
+
+@pytest.mark.multirank
+def test_diloco_groups_sync_every_inner_steps_as_one_process_simulates_them(tmp_path):
+    """ft.semi_sync=diloco: two one-rank groups train 3 local steps each, then average their
+    pseudo-gradients into an outer Nesterov step, three times; both end bitwise equal, and equal to
+    one process simulating the two replicas (parallel3d.ft.replay.replay_diloco) within 1e-6."""
+    from conftest import final_weights
+    from ft_cluster import group_job, start_lighthouse
+
+    from parallel3d.checkpoint.checkpointer import full_model_state
+    from parallel3d.ft.replay import replay_diloco
+    from parallel3d.hf.export import save_run_model
+
+    lighthouse, address = start_lighthouse(tmp_path, min_replicas=2)  # the first sync waits for both
+    common = ["train.steps=9", "optim.warmup_steps=2", "train.seq_len=32", "train.global_batch_size=8",
+              "optim.eps=1e-6", "ft.enabled=true", f"ft.lighthouse={address}", "ft.replicas=2",
+              "ft.semi_sync=diloco", "ft.diloco.inner_steps=3", "train.save_model=true"]
+    groups = [group_job(tmp_path, r, common, nproc=1).start() for r in (0, 1)]
+    try:
+        assert [g.wait(300) for g in groups] == [0, 0], groups[0].stderr[-3000:] + groups[1].stderr[-3000:]
+    finally:
+        for job in [lighthouse, *groups]:
+            if job.proc.poll() is None:
+                job.kill()
+    logs = [tmp_path / f"group{g}" / "ft" / "membership.jsonl" for g in (0, 1)]
+    c = OmegaConf.to_object(check(compose([f"run_dir={tmp_path / 'sim'}", *common]), 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        simulated = replay_diloco(c, logs)
+    finally:
+        torch.set_num_threads(threads)
+    (tmp_path / "sim").mkdir()
+    save_run_model(tmp_path / "sim", full_model_state(simulated[0].parts, None), model_cfg=c.model,
+                   tokenizer=c.data.tokenizer)
+    weights, other, expected = (final_weights(tmp_path / name) for name in ("group0", "group1", "sim"))
+    assert all(torch.equal(weights[k], other[k]) for k in weights)
+    assert max((weights[k] - expected[k]).abs().max().item() for k in weights) <= 1e-6
+    chain = read_membership(logs)
+    assert list(chain) == list(range(1, 10)) and all(e["trained_slices"] == [0, 1] for e in chain.values())

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 from parallel3d.base import ConfigError
 
-SEMI_SYNC = ("none",)
+SEMI_SYNC = ("none", "diloco")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
@@ -54,7 +54,13 @@ def check_ft(cfg) -> None:
         raise ConfigError("ft.min_replicas", ft.min_replicas, f"outside 1..ft.replicas={ft.replicas}",
                           "use how many groups a step needs at least (1: train on while any group lives)")
     if ft.semi_sync not in SEMI_SYNC:
-        raise ConfigError("ft.semi_sync", ft.semi_sync, f"not one of {', '.join(SEMI_SYNC)}", "use ft.semi_sync=none")
+        raise ConfigError("ft.semi_sync", ft.semi_sync, f"not one of {', '.join(SEMI_SYNC)}",
+                          "use ft.semi_sync=none (every step) or diloco")
+    if ft.semi_sync == "diloco":
+        _check_diloco(ft.diloco, t.steps, cfg.checkpoint.every)
+        if cfg.model.moe.num_experts and cfg.model.moe.router == "sigmoid":
+            raise ConfigError("model.moe.router", "sigmoid", "its balancing bias is not a parameter: DiLoCo's "
+                              "syncs would leave each group its own", "use ft.semi_sync=none with the sigmoid router")
     for key in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
         if getattr(ft, key) <= 0:
             raise ConfigError(f"ft.{key}", getattr(ft, key), "must be > 0", "use seconds, e.g. 60")
@@ -71,6 +77,23 @@ def check_ft(cfg) -> None:
         raise ConfigError("train.on_bad_step", "skip", "its rollback after train.max_bad_steps loads one group's "
                           "checkpoint, which the other replica groups do not have",
                           "use train.on_bad_step=stop with ft.enabled")
+
+def _check_diloco(d, steps: int, every: int) -> None:
+    h = d.inner_steps
+    if h < 1:
+        raise ConfigError("ft.diloco.inner_steps", h, "must be >= 1", "use the local steps between syncs, e.g. 20")
+    if steps % h:
+        raise ConfigError("train.steps", steps, f"not a multiple of ft.diloco.inner_steps={h}: the run would end "
+                          "between two syncs, the groups apart", f"use a multiple of {h}")
+    if every % h:
+        raise ConfigError("checkpoint.every", every, f"not a multiple of ft.diloco.inner_steps={h}: a checkpoint "
+                          "between syncs would hold one group's local weights", f"use a multiple of {h}")
+    if not d.outer_lr > 0 or not 0 <= d.outer_momentum < 1:
+        key, value = ("ft.diloco.outer_lr", d.outer_lr) if not d.outer_lr > 0 else \
+            ("ft.diloco.outer_momentum", d.outer_momentum)
+        raise ConfigError(key, value, "outside its range (outer_lr > 0, 0 <= outer_momentum < 1)",
+                          "use DiLoCo's outer_lr=0.7 outer_momentum=0.9")
+
 
 def _check_lighthouse(address: str | None) -> None:
     if not address:

@@ -327,6 +327,16 @@ class SlurmConfig:
 
 
 @dataclass
+class DilocoConfig:
+    """``ft.semi_sync=diloco``: each group takes inner_steps optimizer steps alone, then the groups
+    average how far they moved (the pseudo-gradient) and take one outer Nesterov step together."""
+
+    inner_steps: int = 20  # local steps between two synchronizations (H)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+
+@dataclass
 class FTConfig:
     """Fault tolerance across replica groups through torchft (parallel3d/ft/, docs/fault-tolerance.md):
     each group is its own torchrun job with its own run_dir; the groups average gradients every step."""
@@ -336,7 +346,8 @@ class FTConfig:
     replica_id: int = 0  # this group's index, 0..replicas-1: it trains that slice of every global batch
     replicas: int = 2  # replica groups of the run: the global batch is cut into this many slices
     min_replicas: int = 1  # a step commits only with at least this many groups in its quorum
-    semi_sync: str = "none"  # none: gradients averaged every step
+    semi_sync: str = "none"  # none: gradients averaged every step | diloco: every ft.diloco.inner_steps
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
     timeout_s: float = 60.0  # a cross-group collective, a commit vote or a heal that takes longer fails the step
     quorum_timeout_s: float = 60.0  # no quorum from the lighthouse within this: one line, exit
     connect_timeout_s: float = 10.0  # reaching the lighthouse and the peers' managers

@@ -32,7 +32,7 @@ def config_fingerprint(c) -> int:
     data = {k: v for k, v in asdict(c.data).items() if k != "cache_dir"}
     shared = {"model": asdict(c.model), "optim": asdict(c.optim), "data": data, "parallel": asdict(c.parallel),
               "train": {k: getattr(c.train, k) for k in SHARED_TRAIN_KEYS},
-              "ft": {"replicas": c.ft.replicas, "semi_sync": c.ft.semi_sync}}
+              "ft": {"replicas": c.ft.replicas, "semi_sync": c.ft.semi_sync, "diloco": asdict(c.ft.diloco)}}
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
@@ -94,15 +94,17 @@ class MembershipLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def entry(self, step: int, roster: Roster, replica_id: int, *, discarded: int = 0,
-              joined_after_s: float | None = None) -> dict:
+              joined_after_s: float | None = None, trained: bool = True) -> dict:
         """``discarded``: earlier attempts at this step that some group failed; ``joined_after_s``: on
         this group's first committed step since it started, the seconds from the end of its start-up
-        (model built, data ready) to this commit: the quorum, the heal and one step."""
-        dropped = [r for r in range(self.replicas) if r not in roster.participants]
+        (model built, data ready) to this commit: the quorum, the heal and one step. ``trained``
+        false: a DiLoCo period whose sync failed, every slice dropped."""
+        kept = roster.participants if trained else []
+        dropped = [r for r in range(self.replicas) if r not in kept]
         return {"step": step, "time": round(time.time(), 3), "replica_id": replica_id, "joined_after_s": joined_after_s,
                 "discarded_attempts": discarded, "participants": roster.participants,
-                "healed": roster.healed, "trained_slices": roster.participants, "dropped_slices": dropped,
-                "slice_rows": self.slice_rows, "samples_trained": len(roster.participants) * self.slice_rows,
+                "healed": roster.healed, "trained_slices": kept, "dropped_slices": dropped,
+                "slice_rows": self.slice_rows, "samples_trained": len(kept) * self.slice_rows,
                 "samples_dropped": len(dropped) * self.slice_rows}
 
     def write(self, step: int, roster: Roster, replica_id: int, **details) -> None:
@@ -124,7 +126,7 @@ def read_membership(paths: list[Path]) -> dict[int, dict]:
     chain = {current["step"]: current}
     for step in range(current["step"] - 1, 0, -1):
         carried = set(current["participants"]) - set(current["healed"])
-        earlier = [e for e in lines if e["step"] == step and e["replica_id"] in carried and e["time"] < current["time"]]
+        earlier = [e for e in lines if e["step"] == step and e["replica_id"] in carried and e["time"] <= current["time"]]
         if not earlier:
             raise ValueError(f"no group of step {step + 1}'s quorum {sorted(carried)} logged step {step}: "
                              f"pass the membership.jsonl of every group")

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from parallel3d.ft import FTError
 from parallel3d.config.fault_tolerance import lighthouse_address
+from parallel3d.ft.diloco import OuterStep
 from parallel3d.ft.lighthouse import check_reachable
 from parallel3d.ft.membership import MembershipLog, Roster, config_fingerprint, roster_row
 from parallel3d.ft.state import RunState, apply_heal_state, heal_state
@@ -42,28 +43,21 @@ class ReplicaGroup:
                  device: torch.device = torch.device("cpu")):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's native side logs every quorum at info
         logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_note)
-        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-
         ft = c.ft
         self.ft, self.run, self.group_rank, self.device = ft, run, group_rank, device
         self.alone_sleep_s, self.fail_steps = c.debug.ft_alone_sleep_s, set(c.debug.ft_fail_steps)  # test-only
         self.address = lighthouse_address(ft)
         check_reachable(self.address, timeout_s=ft.connect_timeout_s)
-        self._store, host, port = _group_store(group_rank)
-        timeout = timedelta(seconds=ft.timeout_s)
-        try:
-            self.manager = Manager(
-                pg=(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout),
-                load_state_dict=self._load, state_dict=lambda: heal_state(run),
-                min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=timeout,
-                quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-                connect_timeout=timedelta(seconds=ft.connect_timeout_s), rank=group_rank, world_size=group_size,
-                store_addr=host, store_port=port, lighthouse_addr=self.address,
-                replica_id=f"parallel3d_{ft.replica_id}", init_sync=False)
-        except RuntimeError as e:
-            raise FTError(f"ft.lighthouse={self.address}: {_first_line(e)}. Fix: start parallel3d-lighthouse "
-                           f"first, or raise ft.connect_timeout_s") from None
-        self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
+        self.manager = self._manager(group_rank, group_size, device)
+        # DiLoCo: the groups sync every inner_steps steps; torchft's step counts syncs, not steps
+        self.inner_steps = ft.diloco.inner_steps if ft.semi_sync == "diloco" else 0
+        self.outer: OuterStep | None = None
+        if self.inner_steps:
+            params = [q for group in run.train.optimizer.param_groups for q in group["params"]]
+            self.outer = OuterStep(params, lr=ft.diloco.outer_lr, momentum=ft.diloco.outer_momentum)
+            self.manager.register_state_dict_fn("diloco", self.outer.load_state_dict, self.outer.state_dict)
+        self.manager.load_state_dict({"step": start_step // (self.inner_steps or 1), "batches_committed": 0})
+        self.last_step = start_step
         self.log = MembershipLog(run_dir, replicas=ft.replicas, global_batch_size=c.train.global_batch_size,
                                  enabled=group_rank == 0)
         self.newcomer, self.healed_from, self.committed = True, None, False
@@ -72,6 +66,24 @@ class ReplicaGroup:
         self.roster: Roster | None = None
         self.ready_at = time.time()  # start-up done: what follows until the first commit is joining
 
+    def _manager(self, group_rank: int, group_size: int, device: torch.device):
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        ft, timeout = self.ft, timedelta(seconds=self.ft.timeout_s)
+        self._store, host, port = _group_store(group_rank)
+        try:
+            return Manager(
+                pg=(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout),
+                load_state_dict=self._load, state_dict=lambda: heal_state(self.run),
+                min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=ft.connect_timeout_s), rank=group_rank, world_size=group_size,
+                store_addr=host, store_port=port, lighthouse_addr=self.address,
+                replica_id=f"parallel3d_{ft.replica_id}", init_sync=False)
+        except RuntimeError as e:
+            raise FTError(f"ft.lighthouse={self.address}: {_first_line(e)}. Fix: start parallel3d-lighthouse "
+                          f"first, or raise ft.connect_timeout_s") from None
+
     # -- the loop's hooks -------------------------------------------------------------------
 
     def begin(self) -> int:
@@ -79,6 +91,9 @@ class ReplicaGroup:
         moves to the live peers' next. Raises FTError (one line) for a refused group or a lost
         lighthouse."""
         self.healed_from, self.committed = None, False
+        if self.inner_steps and self.last_step % self.inner_steps:  # inside a DiLoCo period: no quorum
+            self.step = self.last_step + 1
+            return self.step
         if self.roster is not None and len(self.roster.participants) < self.ft.replicas:
             time.sleep(self.alone_sleep_s)
         try:
@@ -87,7 +102,7 @@ class ReplicaGroup:
             raise
         except Exception as e:  # torchft raises what its quorum RPC raised
             raise self._quorum_failure(e) from None
-        self.step = step = self.manager.current_step() + 1
+        self.step = step = self.manager.current_step() * (self.inner_steps or 1) + 1
         summed = roster_row(replicas=self.ft.replicas, replica_id=self.ft.replica_id, newcomer=self.newcomer,
                             healed=self.healed_uncommitted, fingerprint=self.run.fingerprint).to(self.device)
         self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
@@ -119,23 +134,23 @@ class ReplicaGroup:
         """One flat all-reduce per dtype. Its last element is each group's health (1: its part is
         sound): a group whose side failed (``debug.ft_fail_steps`` injects it) still takes part, and
         every group reads the failure from the average and discards the step, not only that one."""
+        if self.inner_steps:  # DiLoCo's inner steps stay inside the group
+            return
         failed = self.step in self.fail_steps
         self.fail_steps.discard(self.step)  # once: the step trained again succeeds
         health = torch.tensor([0.0 if failed else 1.0], device=loss_sum.device)
-        grads = [_local(p.grad) for p in params if p.grad is not None] + [loss_sum, health]
-        for dtype in sorted({g.dtype for g in grads}, key=str):
-            same = [g for g in grads if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in same])
-            self.manager.allreduce(flat).wait()  # the average over the quorum's groups
-            for part, g in zip(flat.split([g.numel() for g in same]), same):
-                g.copy_(part.view_as(g))
+        self._mean_over_groups([_local(p.grad) for p in params if p.grad is not None] + [loss_sum, health])
         if health.item() != 1.0:
             self.manager.report_error(RuntimeError(f"a replica group's all-reduce failed at step {self.step}"))
 
     def average(self, tensor: torch.Tensor) -> None:
-        self.manager.allreduce(tensor).wait()
+        if not self.inner_steps:
+            self.manager.allreduce(tensor).wait()
 
     def commit(self) -> bool:
+        if self.inner_steps:  # an inner step: this group's own
+            self.committed, self.last_step = True, self.step
+            return True
         self.committed = self.manager.should_commit()
         if not self.committed:
             self.discarded += 1
@@ -145,7 +160,39 @@ class ReplicaGroup:
         self.newcomer, self.discarded, self.healed_uncommitted = False, 0, False
         return True
 
+    @torch.no_grad()
+    def after_update(self) -> None:
+        """DiLoCo, after a period's last inner step: the pseudo-gradients averaged over the quorum
+        and the outer step, or, voted down, every group back to the last sync's weights (the
+        period's data dropped, as its log lines say)."""
+        if not self.inner_steps or self.step % self.inner_steps:
+            return
+        averaged = self.outer.pseudo_gradients()
+        self._mean_over_groups(averaged)
+        synced = self.manager.should_commit() and self.roster is not None
+        if synced:
+            self.outer.step(averaged)
+        else:
+            self.outer.restore()
+        first = self.step - self.inner_steps + 1
+        roster = self.roster or Roster(participants=[], healed=[], duplicates=[], mismatched=[], reference=None)
+        for step in range(first, self.step + 1):
+            self.log.write(step, roster, self.ft.replica_id, trained=synced,
+                           joined_after_s=round(time.time() - self.ready_at, 3) if self.newcomer and synced else None)
+        if synced:
+            self.newcomer, self.healed_uncommitted = False, False
+
     # -- inside ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _mean_over_groups(self, tensors: list[torch.Tensor]) -> None:
+        """Each tensor averaged over the quorum's groups in place: one flat all-reduce per dtype."""
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in same])
+            self.manager.allreduce(flat).wait()
+            for part, t in zip(flat.split([t.numel() for t in same]), same):
+                t.copy_(part.view_as(t))
 
     def _load(self, sent: dict) -> None:
         start = time.perf_counter()

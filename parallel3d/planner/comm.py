@@ -37,7 +37,9 @@ When the code communicates (see ``parallel/data.py`` and torch's pipelining stag
   step without one.
 * Fault tolerance (``ft.enabled``, group ``ft``): after the group's own reduction each rank
   all-reduces its gradient shard (DDP: all of it) once per step with the same rank of every other
-  replica group, in ``reduce_dtype``, over ``ft.replicas`` members (``parallel3d/ft/replica.py``).
+  replica group, in ``reduce_dtype``, over ``ft.replicas`` members (``parallel3d/ft/replica.py``);
+  under ``ft.semi_sync=diloco`` the float32 pseudo-gradient of the same shard once per
+  ``ft.diloco.inner_steps`` steps, counted per step as its share (``parallel3d/ft/diloco.py``).
 * Pipeline: each microbatch sends its activations (b·s·dim·c, s/tp under sequence parallelism)
   to the next stage on another rank and the gradient back; tied embeddings all-reduce the
   embedding gradient between the first and last stage (a group of two) once per step.
@@ -118,7 +120,9 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
         # only casts, reduces nothing, and leaves the tensor-parallel partial sums to it).
         if layout.ft_replicas > 1:  # ft.enabled: this rank's reduced gradients, with the other groups' same rank
             local = padded_numel(model, stage, layout, n) // n  # its gradient shard (DDP: n = 1, all of it)
-            out["ft"]["all_reduce"] += ring("all_reduce", local * reduce, layout.ft_replicas)
+            # DiLoCo: the float32 pseudo-gradient of the same shard, once per ft_sync_every steps
+            each = reduce if layout.ft_sync_every == 1 else MASTER_BYTES
+            out["ft"]["all_reduce"] += ring("all_reduce", local * each, layout.ft_replicas) / layout.ft_sync_every
         if layout.tp > 1:
             _tensor_parallel(out["tp"], model, stage, layout, reductions if replicas > 1 else 1)
         if layout.cp > 1:

@@ -212,25 +212,35 @@ class CountedReplicas:
     """ft.enabled: the step's cross-group all-reduces without other groups (step.ReplicaSync): what
     parallel3d/ft/replica.py would send, counted under ``ft`` from the step's real gradients."""
 
-    def __init__(self, kinds: dict[str, CommStat], replicas: int):
-        self.kinds, self.replicas = kinds, replicas
+    def __init__(self, kinds: dict[str, CommStat], replicas: int, every: int = 1):
+        self.kinds, self.replicas, self.every = kinds, replicas, every  # every: DiLoCo's inner steps
+        self.params: list[torch.Tensor] = []
 
-    def _count(self, tensors: list[torch.Tensor]) -> None:
+    def _count(self, tensors: list[torch.Tensor], share: float = 1.0) -> None:
         stat = self.kinds["all_reduce"]
         stat.group_size, stat.calls = self.replicas, stat.calls + 1
-        payload = sum(t.numel() * t.element_size() for t in tensors)
+        payload = sum(t.numel() * t.element_size() for t in tensors) * share
         stat.bytes += payload
         stat.sent_bytes += 2.0 * payload * (self.replicas - 1) / self.replicas
 
     def average_gradients(self, params: list[torch.Tensor], loss_sum: torch.Tensor) -> None:
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
-        self._count(grads + [loss_sum])
+        self.params = params
+        if self.every == 1:
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+            self._count(grads + [loss_sum])
 
     def average(self, tensor: torch.Tensor) -> None:
-        self._count([tensor])
+        if self.every == 1:
+            self._count([tensor])
 
     def commit(self) -> bool:
         return True
+
+    def after_update(self) -> None:
+        """DiLoCo: the pseudo-gradient (a float32 copy of each local parameter shard), per step its share."""
+        if self.every > 1:
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
+            self._count([torch.empty(t.shape, dtype=torch.float32, device="meta") for t in local], 1 / self.every)
 
 
 def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankReport:
@@ -255,7 +265,8 @@ def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankRe
                              for _ in range(setup.spec.num_micro_batches)]
             tracker = StepMemTracker()
             tracker.track_external(model, setup.optimizer, micro_batches)
-            replicas = CountedReplicas(recorder.stats["ft"], c.ft.replicas) if c.ft.enabled else None
+            every = c.ft.diloco.inner_steps if c.ft.semi_sync == "diloco" else 1
+            replicas = CountedReplicas(recorder.stats["ft"], c.ft.replicas, every) if c.ft.enabled else None
             with tracker, recorder, _own_fake_mode_for_sharding_propagation():
                 train_step(setup, micro_batches, replicas=replicas)
             state = model_state_bytes(model, setup.optimizer)  # as train() measures it: after the step, grads kept

@@ -126,6 +126,7 @@ class Layout(ParallelDims):
     # ft.enabled: replica groups (this layout is one group's, its share of the global batch) whose
     # gradients are all-reduced across the groups every step, after the group's own reduction
     ft_replicas: int = 1
+    ft_sync_every: int = 1  # ft.semi_sync=diloco: steps between two cross-group all-reduces (inner_steps)
 
     @classmethod
     def from_config(cls, cfg, device: str | None = None) -> "Layout":
@@ -133,6 +134,7 @@ class Layout(ParallelDims):
         p, t, m = cfg.parallel, cfg.train, cfg.model
         ft = getattr(cfg, "ft", None)
         replicas = ft.replicas if ft is not None and ft.enabled else 1
+        every = ft.diloco.inner_steps if replicas > 1 and ft.semi_sync == "diloco" else 1
         return cls(
             dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, cp_method=p.cp_method,
             zero_stage=p.zero_stage,
@@ -145,7 +147,7 @@ class Layout(ParallelDims):
             param_dtype=t.param_dtype,
             reduce_dtype=t.reduce_dtype, device=resolve_device(t.device, device or "cuda"), ep=p.ep,
             document_masking=bool(cfg.data.document_masking), reset_positions=bool(cfg.data.reset_positions),
-            optimizer=cfg.optim.name, ft_replicas=replicas,
+            optimizer=cfg.optim.name, ft_replicas=replicas, ft_sync_every=every,
         )
 
     @property
