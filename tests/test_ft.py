@@ -314,6 +314,11 @@ def test_the_planner_and_the_dry_run_count_the_cross_group_traffic():
     assert counted.sent_bytes == pytest.approx(planned + 4, rel=1e-9)  # + the loss, a float32 scalar
     plain = OmegaConf.to_object(check(compose(["run_dir=/nonexistent", "parallel.dp_shard=2"]), 2))
     assert "ft" not in predict(plain, 2).comm_bytes
+    diloco = OmegaConf.to_object(check(compose(["run_dir=/nonexistent", *FT, "parallel.dp_shard=2", "train.steps=40",
+                                                "ft.semi_sync=diloco", "ft.diloco.inner_steps=4"]), 2))
+    every_fourth = predict(diloco, 2).comm_bytes["ft"]["all_reduce"]
+    assert every_fourth == pytest.approx(planned / 4)  # float32 pseudo-gradients, a quarter of the steps
+    assert run_rank(diloco, 2, 0).comm["ft"]["all_reduce"].sent_bytes == pytest.approx(every_fourth, rel=1e-9)
 
 
 @pytest.mark.multirank
