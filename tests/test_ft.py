@@ -148,7 +148,7 @@ def test_a_heal_copies_everything_that_defines_the_run_bitwise():
     param groups and the scheduler, RNG, data position, guard. Both then train one more step on one
     batch and stay bitwise equal; a peer of another config is refused in one line."""
     from parallel3d.base import RunError
-    from parallel3d.ft.state import apply_heal_state, heal_state
+    from parallel3d.ft.state import apply_heal_state, heal_state, state_digest
 
     live, live_run = _run_state([], seed=0)
     _steps(live, live_run.guard, 3, seed=1)
@@ -164,6 +164,7 @@ def test_a_heal_copies_everything_that_defines_the_run_bitwise():
     assert fresh.scheduler.state_dict() == live.scheduler.state_dict()
     assert [g["lr"] for g in fresh.optimizer.param_groups] == [g["lr"] for g in live.optimizer.param_groups]
     assert fresh_run.guard.state_dict() == live_run.guard.state_dict() and fresh_run.sampler.offset == 32
+    assert state_digest(fresh_run) == state_digest(live_run)
     for setup in (live, fresh):
         _steps(setup, None, 1, seed=2)
     for (name, a), b in zip(live.model.state_dict().items(), fresh.model.state_dict().values()):
@@ -242,7 +243,12 @@ def test_a_killed_group_heals_from_its_live_peer_and_the_log_replays_to_the_weig
     assert chain[2]["discarded_attempts"] >= 1  # failed on group 1's side, discarded by every group
     alone = [e for e in chain.values() if e["participants"] == [0]]
     assert alone and all(e["dropped_slices"] == [1] and e["samples_dropped"] == 8 for e in alone)
-    assert any(e["healed"] == [1] for e in chain.values())
+    healed_at = [step for step, e in chain.items() if e["healed"] == [1]]
+    assert healed_at
+    for step in healed_at:  # right after the heal, each rank's whole state is the same in both groups
+        digests = [[e["state_digests"] for e in membership(tmp_path / f"group{g}") if e["step"] == step][-1]
+                   for g in (0, 1)]
+        assert digests[0] == digests[1] and len(digests[0]) == 2, digests
     weights = final_weights(tmp_path / "group0")
     assert all(torch.equal(weights[k], v) for k, v in final_weights(tmp_path / "group1").items())
     assert (tmp_path / "group0" / "checkpoints" / "step_24" / "COMPLETE").exists()

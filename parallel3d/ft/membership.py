@@ -94,18 +94,21 @@ class MembershipLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def entry(self, step: int, roster: Roster, replica_id: int, *, discarded: int = 0,
-              joined_after_s: float | None = None, trained: bool = True) -> dict:
+              joined_after_s: float | None = None, trained: bool = True,
+              state_digests: list[str] | None = None) -> dict:
         """``discarded``: earlier attempts at this step that some group failed; ``joined_after_s``: on
         this group's first committed step since it started, the seconds from the end of its start-up
         (model built, data ready) to this commit: the quorum, the heal and one step. ``trained``
-        false: a DiLoCo period whose sync failed, every slice dropped."""
+        false: a DiLoCo period whose sync failed, every slice dropped. ``state_digests``: at a step a
+        group healed, each rank's digest of its whole state before the update (every group's equal)."""
         kept = roster.participants if trained else []
         dropped = [r for r in range(self.replicas) if r not in kept]
         return {"step": step, "time": round(time.time(), 3), "replica_id": replica_id, "joined_after_s": joined_after_s,
                 "discarded_attempts": discarded, "participants": roster.participants,
                 "healed": roster.healed, "trained_slices": kept, "dropped_slices": dropped,
                 "slice_rows": self.slice_rows, "samples_trained": len(kept) * self.slice_rows,
-                "samples_dropped": len(dropped) * self.slice_rows}
+                "samples_dropped": len(dropped) * self.slice_rows,
+                **({"state_digests": state_digests} if state_digests is not None else {})}
 
     def write(self, step: int, roster: Roster, replica_id: int, **details) -> None:
         if self.enabled:

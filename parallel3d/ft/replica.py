@@ -33,7 +33,7 @@ from parallel3d.config.fault_tolerance import lighthouse_address
 from parallel3d.ft.diloco import OuterStep
 from parallel3d.ft.lighthouse import check_reachable
 from parallel3d.ft.membership import MembershipLog, Roster, config_fingerprint, roster_row
-from parallel3d.ft.state import RunState, apply_heal_state, heal_state
+from parallel3d.ft.state import RunState, apply_heal_state, heal_state, state_digest
 
 
 class ReplicaGroup:
@@ -156,7 +156,8 @@ class ReplicaGroup:
             self.discarded += 1
             return False
         self.log.write(self.manager.current_step(), self.roster, self.ft.replica_id, discarded=self.discarded,
-                       joined_after_s=round(time.time() - self.ready_at, 3) if self.newcomer else None)
+                       joined_after_s=round(time.time() - self.ready_at, 3) if self.newcomer else None,
+                       state_digests=self._digests() if self.roster.healed else None)
         self.newcomer, self.discarded, self.healed_uncommitted = False, 0, False
         return True
 
@@ -183,6 +184,16 @@ class ReplicaGroup:
             self.newcomer, self.healed_uncommitted = False, False
 
     # -- inside ------------------------------------------------------------------------------
+
+    def _digests(self) -> list[str]:
+        """Every rank's state digest, in rank order (a collective of the group): at a step someone
+        healed, every group logs them before the update, and they must be the same in every group."""
+        mine = state_digest(self.run)
+        if not dist.is_initialized():
+            return [mine]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return every
 
     @torch.no_grad()
     def _mean_over_groups(self, tensors: list[torch.Tensor]) -> None:

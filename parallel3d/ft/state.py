@@ -11,6 +11,8 @@ are a function of the weights and are recomputed after the copy.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
@@ -47,6 +49,20 @@ def _entries(state: TrainState, with_optimizer: bool) -> list[tuple[str, torch.T
         entries += [(f"optimizer/{i}/{key}", value) for i, q in enumerate(params)
                     for key, value in state.optimizer.state.get(q, {}).items() if isinstance(value, torch.Tensor)]
     return entries
+
+
+def state_digest(run: RunState) -> str:
+    """A SHA-256 of this rank's whole run state as a heal copies it (tensors' bytes, schedule, lr,
+    RNG, data position, guard): equal on the same rank of two groups iff their states are."""
+    t = run.train
+    digest = hashlib.sha256()
+    for _, value in _entries(t, with_optimizer=bool(t.optimizer.state)):
+        digest.update(_local(value).reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    digest.update(torch.get_rng_state().numpy().tobytes())
+    numbers = {"scheduler": t.scheduler.state_dict(), "lr": [g["lr"] for g in t.optimizer.param_groups],
+               "data_offset": run.sampler.offset, "guard": run.guard.state_dict()}
+    digest.update(json.dumps(numbers, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
 
 
 def heal_state(run: RunState) -> dict:
