@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # ft_
 
 from parallel3d.base import ConfigError  # noqa: E402
 from parallel3d.config.compose import compose  # noqa: E402
-from parallel3d.ft.membership import MembershipLog, Roster, config_fingerprint, read_membership, roster_row  # noqa: E402
+from parallel3d.ft.membership import (MembershipLog, Roster, config_fingerprint, read_membership,  # noqa: E402
+                                      roster_row)
 from parallel3d.validate import check  # noqa: E402
 
 pytest.importorskip("torchft")
@@ -104,7 +105,8 @@ def test_the_log_walk_follows_heals_and_drops_steps_a_restart_undid(tmp_path):
         _line(3, 0, [0, 1], [1], t=5), _line(3, 1, [0, 1], [1], t=5),  # ...and healed from group 0
     ]
     for writer in (0, 1):
-        (tmp_path / f"{writer}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines if e["replica_id"] == writer))
+        own = [json.dumps(e) + "\n" for e in lines if e["replica_id"] == writer]
+        (tmp_path / f"{writer}.jsonl").write_text("".join(own))
     chain = read_membership([tmp_path / "0.jsonl", tmp_path / "1.jsonl"])
     assert [(s, e["replica_id"], e["participants"], e["time"]) for s, e in chain.items()] == [
         (1, 0, [0, 1], 1), (2, 0, [0], 2), (3, 0, [0, 1], 5)]
@@ -182,8 +184,9 @@ def _group_config(address: str, steps: int) -> list[str]:
     # optim.lr=1e-3: float32 round-off between the groups' sums and one process's grows along the
     # steps slower than at the default 3e-3, so the oracle's 1e-6 on the weights measures the run.
     return [f"train.steps={steps}", "optim.warmup_steps=2", "optim.lr=1e-3", "train.seq_len=64",
-            "train.global_batch_size=16", "optim.eps=1e-6", "ft.enabled=true", f"ft.lighthouse={address}", "ft.replicas=2", "ft.timeout_s=20",
-            "ft.quorum_timeout_s=120", "train.save_model=true", "checkpoint.every=5",
+            "train.global_batch_size=16", "optim.eps=1e-6", "ft.enabled=true", f"ft.lighthouse={address}",
+            "ft.replicas=2", "ft.timeout_s=20", "ft.quorum_timeout_s=120", "train.save_model=true",
+            "checkpoint.every=5",
             "debug.ft_alone_sleep_s=4"]  # a survivor slow enough for the restarted group to find it training
 
 
@@ -309,7 +312,8 @@ def test_the_faults_of_fault_tolerance_each_end_in_one_line(tmp_path):
                 job.kill()
     _one_line(live.stderr, "lost the lighthouse")
     last = membership(tmp_path / "live")[-1]["step"]
-    saved = sorted(int(p.parent.name.split("_")[1]) for p in (tmp_path / "live" / "checkpoints").glob("step_*/COMPLETE"))
+    complete = (tmp_path / "live" / "checkpoints").glob("step_*/COMPLETE")
+    saved = sorted(int(p.parent.name.split("_")[1]) for p in complete)
     assert saved and saved[-1] <= last  # every checkpoint a committed step's
 
 

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = ["start-up s", "rejoin s", "heal s", "survivor lost steps", "survivor gap s"]
     print("| cycle | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1))
     for i, row in enumerate(rows, 1):
-        print(f"| {i} | " + " | ".join(f"{row[k]:.2f}" if isinstance(row[k], float) else str(row[k]) for k in keys) + " |")
+        cells = (f"{row[k]:.2f}" if isinstance(row[k], float) else str(row[k]) for k in keys)
+        print(f"| {i} | " + " | ".join(cells) + " |")
     print("| median | " + " | ".join(f"{statistics.median(r[k] for r in rows):.2f}" for k in keys) + " |")
     return 0
 

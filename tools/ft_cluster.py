@@ -92,7 +92,8 @@ def descendants(pid: int) -> list[int]:
 
 def start_lighthouse(root: Path, *, port: int = 0, name: str = "lighthouse", min_replicas: int = 1) -> tuple[Job, str]:
     """parallel3d-lighthouse (quick to notice a dead group); returns the job and the address it printed."""
-    job = Job([sys.executable, "-m", "parallel3d.cli.lighthouse", "--min-replicas", str(min_replicas), "--port", str(port),
+    job = Job([sys.executable, "-m", "parallel3d.cli.lighthouse", "--min-replicas", str(min_replicas),
+               "--port", str(port),
                "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "300", "--quorum-tick-ms", "20"],
               root / name, root).start()
     line = wait_for(lambda: next((l for l in job.stdout.splitlines() if "serving at" in l), None), 60,

@@ -129,7 +129,8 @@ def read_membership(paths: list[Path]) -> dict[int, dict]:
     chain = {current["step"]: current}
     for step in range(current["step"] - 1, 0, -1):
         carried = set(current["participants"]) - set(current["healed"])
-        earlier = [e for e in lines if e["step"] == step and e["replica_id"] in carried and e["time"] <= current["time"]]
+        earlier = [e for e in lines
+                   if e["step"] == step and e["replica_id"] in carried and e["time"] <= current["time"]]
         if not earlier:
             raise ValueError(f"no group of step {step + 1}'s quorum {sorted(carried)} logged step {step}: "
                              f"pass the membership.jsonl of every group")
