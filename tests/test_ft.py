@@ -377,3 +377,23 @@ def test_diloco_groups_sync_every_inner_steps_as_one_process_simulates_them(tmp_
     assert max((weights[k] - expected[k]).abs().max().item() for k in weights) <= 1e-6
     chain = read_membership(logs)
     assert list(chain) == list(range(1, 7)) and all(e["trained_slices"] == [0, 1] for e in chain.values())
+
+
+def test_the_lighthouse_serves_at_the_address_it_gives_and_its_absence_is_one_line(capsys):
+    from parallel3d.cli.lighthouse import main
+    from parallel3d.ft import FTError
+    from parallel3d.ft.lighthouse import check_reachable, start_lighthouse
+
+    assert main(["--min-replicas", "0"]) == 2
+    assert "--min-replicas=0: must be >= 1" in capsys.readouterr().err
+    server = start_lighthouse(min_replicas=1, port=0, join_timeout_ms=100, heartbeat_timeout_ms=1000,
+                              quorum_tick_ms=100)
+    try:
+        check_reachable(server.address(), timeout_s=5)  # something answers there
+    finally:
+        server.shutdown()
+    from ft_cluster import free_port
+
+    with pytest.raises(FTError, match=r"ft.lighthouse=http://.*: no lighthouse answers") as refused:
+        check_reachable(f"http://localhost:{free_port()}", timeout_s=2)
+    assert "\n" not in str(refused.value) and "parallel3d-lighthouse --min-replicas N --port P" in str(refused.value)

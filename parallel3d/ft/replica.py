@@ -216,8 +216,10 @@ class ReplicaGroup:
             return FTError(f"ft: no quorum from the lighthouse at {self.address} within ft.quorum_timeout_s="
                             f"{self.ft.quorum_timeout_s:g} ({_first_line(e)}). Fix: start enough replica groups "
                             f"for its --min-replicas, or check ft.lighthouse")
-        return FTError(f"ft: lost the lighthouse at {self.address} ({_first_line(e)}): no quorum, no step. Fix: "
-                        f"restart parallel3d-lighthouse at that address and restart the groups with the same commands")
+        return FTError(f"ft: lost the lighthouse at {self.address}, or fewer groups live than its --min-replicas "
+                       f"({_first_line(e)}): no quorum within ft.quorum_timeout_s={self.ft.quorum_timeout_s:g}. Fix: "
+                       f"restart parallel3d-lighthouse at that address (or the missing groups) and restart the groups "
+                       f"with the same commands")
 
 
 def join_replicas(c, run_dir: Path, *, train, guard, sampler, start_step: int, device: torch.device) -> ReplicaGroup:
