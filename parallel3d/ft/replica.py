@@ -5,10 +5,13 @@ for the group to the lighthouse). Every step: ``begin`` asks for the quorum (syn
 group that is behind heals from a live peer before its forward: ``heal_state`` over torchft's HTTP
 transport, rank k from the peer's rank k), then sums the roster (membership.py) over the quorum;
 ``average_gradients`` averages this rank's gradient shards, after the group's own reduction, with
-the same rank of every other group in one flat all-reduce of torchft's reconfigurable gloo group;
+the same rank of every other group in one flat all-reduce of torchft's reconfigurable process group
+(gloo; NCCL on CUDA);
 ``commit`` is torchft's two-phase vote: a step any participant failed (an all-reduce error, a
 peer gone, too few groups) is discarded by all and trained again. A group that was behind and
-voted differently heals at the next quorum (the quorum's highest step wins).
+voted differently heals at the next quorum (the quorum's highest step wins). Under
+``ft.semi_sync=diloco`` the quorum comes once a period and ``after_update`` does the sync
+(diloco.py); the steps between stay inside the group.
 
 torchft's own wrappers (its DDP, OptimizerWrapper, the FSDP hook torchtitan installs) hook one
 module per group; here a step may be pipeline stages or several parts, and the guard and the MoE
@@ -28,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from parallel3d.ft import FTError
 from parallel3d.config.fault_tolerance import lighthouse_address
+from parallel3d.ft import FTError
 from parallel3d.ft.diloco import OuterStep
 from parallel3d.ft.lighthouse import check_reachable
 from parallel3d.ft.membership import MembershipLog, Roster, config_fingerprint, roster_row
