@@ -8,6 +8,7 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -404,3 +405,56 @@ def test_the_lighthouse_serves_at_the_address_it_gives_and_its_absence_is_one_li
     with pytest.raises(FTError, match=r"ft.lighthouse=http://.*: no lighthouse answers") as refused:
         check_reachable(f"http://localhost:{free_port()}", timeout_s=2)
     assert "\n" not in str(refused.value) and "parallel3d-lighthouse --min-replicas N --port P" in str(refused.value)
+
+
+@pytest.mark.multirank
+def test_after_a_lighthouse_restart_the_groups_resume_and_the_log_still_replays(tmp_path):
+    """One-rank groups; the lighthouse is SIGKILLed mid-run: both groups stop in one line each. It
+    is started again at the same address, and both groups with their same commands: group 0 resumes
+    from its checkpoint (only it writes them), group 1 from nothing, and whichever is behind heals.
+    The steps after the checkpoint are trained again; the log's lineage drops the undone ones, and
+    one process replaying it ends with both groups' (equal) weights within 1e-6."""
+    from conftest import final_weights
+    from ft_cluster import free_port, group_job, membership, start_lighthouse, wait_for
+
+    port = free_port()
+    lighthouse, address = start_lighthouse(tmp_path, port=port)
+    common = [*_group_config(address, steps=16), "train.seq_len=32", "train.global_batch_size=8",
+              "checkpoint.every=4", "ft.quorum_timeout_s=5", "ft.timeout_s=5"]
+    groups = [group_job(tmp_path, g, common, nproc=1) for g in (0, 1)]
+    jobs = [lighthouse, *groups]
+    try:
+        for g in groups:
+            g.start()
+        def past_a_checkpoint():  # together, and a step or two after group 0's last checkpoint
+            log = membership(tmp_path / "group0")
+            return sum(e["participants"] == [0, 1] for e in log) >= 4 and log[-1]["step"] % 4 in (1, 2)
+
+        wait_for(past_a_checkpoint, 300, lambda: groups[0].stderr[-3000:])
+        lighthouse.kill()
+        assert [g.wait(120) != 0 for g in groups] == [True, True]
+        for g in groups:
+            _one_line(g.stderr, "lost the lighthouse")
+        restarted_at = time.time()
+        lighthouse, again = start_lighthouse(tmp_path, port=port, name="lighthouse-again")
+        jobs.append(lighthouse)
+        assert again == address
+        for g in groups:
+            g.start()
+        assert [g.wait(300) for g in groups] == [0, 0], groups[1].stderr[-3000:]
+    finally:
+        for job in jobs:
+            if job.proc is not None and job.proc.poll() is None:
+                job.kill()
+    resumed = re.search(r"resumed from \S+/step_(\d+)", groups[0].stdout)
+    assert resumed and "parallel3d: ft: healed" in groups[0].stdout + groups[1].stdout
+    logs = [tmp_path / f"group{g}" / "ft" / "membership.jsonl" for g in (0, 1)]
+    chain = read_membership(logs)
+    assert list(chain) == list(range(1, 17))
+    before = max(e["step"] for e in membership(tmp_path / "group0") if e["time"] < restarted_at)
+    undone = range(int(resumed.group(1)) + 1, before + 1)  # committed, then undone by the restart
+    assert all(chain[step]["time"] > restarted_at for step in undone)  # the lineage takes their new lines
+    weights = final_weights(tmp_path / "group0")
+    assert all(torch.equal(weights[k], v) for k, v in final_weights(tmp_path / "group1").items())
+    replayed = _replayed_weights(common, logs, tmp_path / "replay")
+    assert max((weights[k] - replayed[k]).abs().max().item() for k in weights) <= 1e-6
