@@ -349,10 +349,11 @@ def test_the_planner_and_the_dry_run_count_the_cross_group_traffic():
 def test_diloco_groups_sync_every_inner_steps_as_one_process_simulates_them(tmp_path):
     """ft.semi_sync=diloco with pipeline parallelism inside each group: two groups of 2 ranks (pp=2)
     train 3 local steps each, then average their pseudo-gradients into an outer Nesterov step,
-    twice; both end bitwise equal, and equal to one process simulating the two replicas
+    twice. The first sync fails on group 1's side: both go back to the period's start and train it
+    again. Both end bitwise equal, and equal to one process simulating the two replicas
     (parallel3d.ft.replay.replay_diloco) within 1e-6."""
     from conftest import final_weights
-    from ft_cluster import group_job, start_lighthouse
+    from ft_cluster import group_job, membership, start_lighthouse
 
     from parallel3d.checkpoint.checkpointer import full_model_state
     from parallel3d.ft.replay import replay_diloco
@@ -362,7 +363,8 @@ def test_diloco_groups_sync_every_inner_steps_as_one_process_simulates_them(tmp_
     common = ["train.steps=6", "optim.warmup_steps=2", "train.seq_len=32", "train.global_batch_size=8",
               "optim.eps=1e-6", "ft.enabled=true", f"ft.lighthouse={address}", "ft.replicas=2",
               "ft.semi_sync=diloco", "ft.diloco.inner_steps=3", "train.save_model=true"]
-    groups = [group_job(tmp_path, r, [*common, "parallel.pp=2"], nproc=2).start() for r in (0, 1)]
+    fail = {0: [], 1: ["debug.ft_fail_steps=[3]"]}  # group 1's side of the first sync fails: both redo the period
+    groups = [group_job(tmp_path, r, [*common, "parallel.pp=2", *fail[r]], nproc=2).start() for r in (0, 1)]
     try:
         assert [g.wait(300) for g in groups] == [0, 0], groups[0].stderr[-3000:] + groups[1].stderr[-3000:]
     finally:
@@ -385,6 +387,8 @@ def test_diloco_groups_sync_every_inner_steps_as_one_process_simulates_them(tmp_
     assert max((weights[k] - expected[k]).abs().max().item() for k in weights) <= 1e-6
     chain = read_membership(logs)
     assert list(chain) == list(range(1, 7)) and all(e["trained_slices"] == [0, 1] for e in chain.values())
+    dropped = [e["step"] for e in membership(tmp_path / "group0") if not e["trained_slices"]]
+    assert dropped == [1, 2, 3]  # the failed sync's period, logged dropped, then trained again
 
 
 def test_the_lighthouse_serves_at_the_address_it_gives_and_its_absence_is_one_line(capsys):

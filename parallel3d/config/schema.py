@@ -273,9 +273,9 @@ class DebugConfig:
     grad_noise: float = 0.0
     grad_noise_draw: int = 0
     # Fault tolerance (ft.enabled): this group's part of the cross-group all-reduce fails at these steps
-    # (every group then discards the step and trains it again); a step after one with fewer than
-    # ft.replicas groups waits ft_alone_sleep_s first (survivors slow enough for a restarted group to
-    # rejoin them while they keep stepping).
+    # (every group then discards the step, under DiLoCo the sync's period, and trains it again); a step
+    # after one with fewer than ft.replicas groups waits ft_alone_sleep_s first (survivors slow enough
+    # for a restarted group to rejoin them while they keep stepping).
     ft_fail_steps: list[int] = field(default_factory=list)
     ft_alone_sleep_s: float = 0.0
 

@@ -7,8 +7,8 @@ with Nesterov momentum moves the global weights by it; every group then continue
 cross-group traffic is one all-reduce per ``inner_steps`` steps instead of one per step.
 
 A sync that fails (a group died during the period) is voted down by torchft's commit, and every
-group goes back to the global weights of the last sync: the period's local progress is dropped,
-its data with it (the membership log says so), and the inner optimizer states keep their steps.
+group goes back to the state it had at the period's start (replica.py keeps a CPU copy) and
+trains the period again with the quorum formed then.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from parallel3d.ft import FTError
 from parallel3d.ft.diloco import OuterStep
 from parallel3d.ft.lighthouse import check_reachable
 from parallel3d.ft.membership import MembershipLog, Roster, config_fingerprint, roster_row
-from parallel3d.ft.state import RunState, apply_heal_state, heal_state, state_digest
+from parallel3d.ft.state import RunState, apply_heal_state, heal_state, snapshot_state, state_digest
 
 
 class ReplicaGroup:
@@ -116,6 +116,8 @@ class ReplicaGroup:
                 raise FTError(refusal)
             if not self.roster.clean:  # a refused group is in this quorum: no gradient crosses to it
                 self.manager.report_error(RuntimeError("a refused replica group is in the quorum"))
+        if self.inner_steps:  # what a failed sync at the period's end goes back to
+            self.period_start = snapshot_state(self.run)
         if self.healed_from is not None and self.group_rank == 0:
             print(f"parallel3d: ft: healed from replica group {self.healed_from} at step {step - 1} in "
                   f"{self.heal_s:.2f} s (weights, optimizer, lr schedule, RNG, data position, guard): "
@@ -134,17 +136,11 @@ class ReplicaGroup:
 
     @torch.no_grad()
     def average_gradients(self, params: list[torch.Tensor], loss_sum: torch.Tensor) -> None:
-        """One flat all-reduce per dtype. Its last element is each group's health (1: its part is
-        sound): a group whose side failed (``debug.ft_fail_steps`` injects it) still takes part, and
-        every group reads the failure from the average and discards the step, not only that one."""
+        """One flat all-reduce per dtype, with the groups' health (``_mean_with_health``): a failure
+        on any group's side discards the step on every group, not only that one."""
         if self.inner_steps:  # DiLoCo's inner steps stay inside the group
             return
-        failed = self.step in self.fail_steps
-        self.fail_steps.discard(self.step)  # once: the step trained again succeeds
-        health = torch.tensor([0.0 if failed else 1.0], device=loss_sum.device)
-        self._mean_over_groups([_local(p.grad) for p in params if p.grad is not None] + [loss_sum, health])
-        if health.item() != 1.0:
-            self.manager.report_error(RuntimeError(f"a replica group's all-reduce failed at step {self.step}"))
+        self._mean_with_health([_local(p.grad) for p in params if p.grad is not None] + [loss_sum])
 
     def average(self, tensor: torch.Tensor) -> None:
         if not self.inner_steps:
@@ -167,17 +163,18 @@ class ReplicaGroup:
     @torch.no_grad()
     def after_update(self) -> None:
         """DiLoCo, after a period's last inner step: the pseudo-gradients averaged over the quorum
-        and the outer step, or, voted down, every group back to the last sync's weights (the
-        period's data dropped, as its log lines say)."""
+        and the outer step; voted down, every group goes back to the period's start (weights,
+        optimizer, schedule, RNG, guard) and trains it again (its log lines say it was dropped;
+        the new ones supersede them)."""
         if not self.inner_steps or self.step % self.inner_steps:
             return
         averaged = self.outer.pseudo_gradients()
-        self._mean_over_groups(averaged)
+        self._mean_with_health(averaged)
         synced = self.manager.should_commit() and self.roster is not None
         if synced:
             self.outer.step(averaged)
-        else:
-            self.outer.restore()
+        else:  # the period again, from its start: torchft's step (the sync count) did not move
+            apply_heal_state(self.run, self.period_start)
         first = self.step - self.inner_steps + 1
         roster = self.roster or Roster(participants=[], healed=[], duplicates=[], mismatched=[], reference=None)
         for step in range(first, self.step + 1):
@@ -197,6 +194,17 @@ class ReplicaGroup:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         return every
+
+    def _mean_with_health(self, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` averaged over the quorum, with each group's health (1: its part is sound) as
+        one more element: a group whose side failed (``debug.ft_fail_steps`` injects it) still takes
+        part, and every group reads the failure from the average and votes the step (or sync) down."""
+        failed = self.step in self.fail_steps
+        self.fail_steps.discard(self.step)  # once: the step trained again succeeds
+        health = torch.tensor([0.0 if failed else 1.0], device=tensors[-1].device)
+        self._mean_over_groups([*tensors, health])
+        if health.item() != 1.0:
+            self.manager.report_error(RuntimeError(f"a replica group's all-reduce failed at step {self.step}"))
 
     @torch.no_grad()
     def _mean_over_groups(self, tensors: list[torch.Tensor]) -> None:

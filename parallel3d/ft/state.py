@@ -11,6 +11,7 @@ are a function of the weights and are recomputed after the copy.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -65,6 +66,14 @@ def state_digest(run: RunState) -> str:
     return digest.hexdigest()[:16]
 
 
+def snapshot_state(run: RunState) -> dict:
+    """``heal_state`` copied (tensors to the CPU): what ``apply_heal_state`` restores this rank to
+    later, after a DiLoCo period whose sync failed."""
+    state = heal_state(run)
+    tensors = [t.to("cpu", copy=True) for t in state.pop("tensors")]
+    return {**copy.deepcopy(state), "tensors": tensors}
+
+
 def heal_state(run: RunState) -> dict:
     """This rank's state for a healing peer (called by torchft on the sender, in its quorum thread,
     while the training thread waits for the quorum: nothing changes underneath)."""
@@ -93,6 +102,8 @@ def apply_heal_state(run: RunState, sent: dict) -> None:
     with_optimizer = any(name.startswith("optimizer/") for name in sent["names"])
     if with_optimizer:
         init_optimizer_state(t.optimizer)
+    else:  # the peer's optimizer has not stepped yet: neither has this one now
+        t.optimizer.state.clear()
     entries = _entries(t, with_optimizer)
     if [name for name, _ in entries] != sent["names"]:
         raise FTError(f"ft: the state of replica group {sent['replica_id']} does not match this group's tensors. "
