@@ -195,7 +195,7 @@ def _group_config(address: str, steps: int) -> list[str]:
             "train.global_batch_size=16", "optim.eps=1e-6", "ft.enabled=true", f"ft.lighthouse={address}",
             "ft.replicas=2", "ft.timeout_s=20", "ft.quorum_timeout_s=120", "train.save_model=true",
             "checkpoint.every=5",
-            "debug.ft_alone_sleep_s=4"]  # a survivor slow enough for the restarted group to find it training
+            "debug.ft_alone_sleep_s=6"]  # a survivor slow enough for the restarted group to find it training
 
 
 def _replayed_weights(overrides: list[str], logs: list[Path], out: Path) -> dict:
@@ -288,9 +288,9 @@ def test_the_faults_of_fault_tolerance_each_end_in_one_line(tmp_path):
     the lighthouse killed mid-run: the group stops within its timeouts. Each says so in one line."""
     from ft_cluster import Job, free_port, group_job, membership, start_lighthouse, wait_for
 
-    base = ["train.steps=200", "optim.warmup_steps=2", "train.seq_len=32", "train.global_batch_size=4",
+    base = ["train.steps=1000", "optim.warmup_steps=2", "train.seq_len=32", "train.global_batch_size=4",
             "ft.enabled=true", "ft.timeout_s=5", "ft.quorum_timeout_s=5", "ft.connect_timeout_s=2",
-            "checkpoint.every=2", "debug.ft_alone_sleep_s=0.3"]
+            "checkpoint.every=5", "debug.ft_alone_sleep_s=0.3"]
     nobody = group_job(tmp_path, 0, [*base, f"ft.lighthouse=http://localhost:{free_port()}"], nproc=1,
                        name="nobody").start()
     lighthouse, address = start_lighthouse(tmp_path)
