@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from parallel3d.config.fault_tolerance import batch_share
 from parallel3d.config.schema import Config
 from parallel3d.data import BatchSpec
 from parallel3d.data.documents import document_inputs, document_positions
@@ -99,9 +100,11 @@ def build_setup(c: Config, device: torch.device,
     t = c.train
     dims = ParallelDims.from_config(c.parallel)
     meshes = build_mesh(dims, device.type, c.parallel.ep, mixed_precision=c.train.param_dtype != "float32")
-    spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, meshes.dp_rank, dims.dp)
+    share, shares = batch_share(c)  # under ft.enabled: this replica group's slice of the global batch
+    spec = BatchSpec(t.global_batch_size, t.micro_batch_size, t.seq_len, share * dims.dp + meshes.dp_rank,
+                     shares * dims.dp)
     # a cp rank holds 1/cp of each of its sequences' tokens
-    loss_fn = TokenLoss(spec.local_batch_size * t.seq_len // dims.cp, dims.dp * dims.cp, c.model.compile)
+    loss_fn = TokenLoss(spec.local_batch_size * t.seq_len // dims.cp, shares * dims.dp * dims.cp, c.model.compile)
     microbatches = c.parallel.pp_microbatches or spec.num_micro_batches
     model, pipeline, tied = build_model(c, meshes, device, microbatches, loss_fn, materialize)
     configure_moe([model] if pipeline is None else pipeline.parts, spec.local_batch_size, meshes.cp_tp, dims.cp)
@@ -137,6 +140,22 @@ def build_model(c: Config, meshes: Meshes, device: torch.device, microbatches: i
     return torch.nn.ModuleList(pipeline.parts), pipeline, tied
 
 
+class ReplicaSync(Protocol):
+    """Fault tolerance's part of a step (parallel3d/ft/): what crosses the replica groups."""
+
+    def average_gradients(self, params: list[torch.Tensor], loss_sum: torch.Tensor) -> None:
+        """Gradients (after this group's own reduction) and the loss, averaged over the live groups."""
+
+    def average(self, tensor: torch.Tensor) -> None:
+        """A step statistic every group must agree on (the MoE loads the router bias follows)."""
+
+    def commit(self) -> bool:
+        """The vote of every group: False discards the step on all of them (no update, no lr step)."""
+
+    def after_update(self) -> None:
+        """After the update (DiLoCo: at a period's end, the groups' sync and outer step)."""
+
+
 class StepResult(NamedTuple):
     loss_sum: torch.Tensor  # this rank's summed loss
     grad_norm: torch.Tensor
@@ -144,13 +163,14 @@ class StepResult(NamedTuple):
 
 
 def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard | None = None,
-               trained_tokens: int | None = None) -> StepResult:
+               trained_tokens: int | None = None, replicas: ReplicaSync | None = None) -> StepResult:
     """One optimizer step over this rank's micro batches: forward and backward (through the pipeline
     schedule under pp), the tied embeddings' gradient sum, global-norm clipping, the optimizer step,
     the sigmoid MoE routers' bias step and the lr step. ``guard`` decides with every rank, before the
     optimizer, whether the update happens (a bad step: no optimizer or bias step on any rank; the lr
     schedule advances). ``trained_tokens``: the global batch's trained targets (instruction data:
-    the sampler's ``trained_tokens``); None: every target. Returns this rank's summed loss, the
+    the sampler's ``trained_tokens``); None: every target. ``replicas`` (ft.enabled): the step's
+    gradients averaged over the replica groups, and their vote to commit it. Returns this rank's summed loss, the
     gradient norm and the step's expert loads; the gradients stay for the caller to measure and zero."""
     s, c = setup, setup.config
     s.loss_fn.set_trained_tokens(trained_tokens)
@@ -171,6 +191,8 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard
     if guard is not None and guard.inject_nan:  # debug.nan_steps
         poison(loss_sum, params)
     settle_gradients(params)
+    if replicas is not None:  # after the group's own reduction, before the norm: every group clips alike
+        replicas.average_gradients(params, loss_sum)
     if c.debug.grad_noise:  # the parity tests' perturbed reference (one process): before the norm, as round-off
         perturb_gradients(params, relative=c.debug.grad_noise, seed=c.train.seed, draw=c.debug.grad_noise_draw,
                           step=s.scheduler.last_epoch + 1)
@@ -181,12 +203,19 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard
     # One reduction of the step's expert loads feeds the metrics and the sigmoid routers' bias.
     expert_loads = reduce_expert_loads(s.parts, c.model, micro_batches=len(micro_batches), device=s.device,
                                        world_group_size=dist.get_world_size() if dist.is_initialized() else 1)
+    if replicas is not None:
+        if expert_loads is not None:
+            replicas.average(expert_loads.loads)
+        if not replicas.commit():  # some group failed this step: discarded on all, to be trained again
+            return StepResult(loss_sum, grad_norm, expert_loads)
     if guard is None or guard.update_allowed(loss_sum, grad_norm):
         s.optimizer.step()
         update_router_bias(s.parts, c.model, expert_loads)  # steers expert choice by this step's load
         if c.train.float8_fsdp_all_gather:  # the next all-gathers' float8 scales, in one all-reduce
             precompute_float8_scales([s.model])
     s.scheduler.step()
+    if replicas is not None:
+        replicas.after_update()
     return StepResult(loss_sum, grad_norm, expert_loads)
 
 

@@ -35,6 +35,7 @@ from parallel3d.config.strict import RecipeError
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data
 from parallel3d.data.checks import check_corpus
 from parallel3d.data.tokenizer import tokenizer_hash
+from parallel3d.ft.replica import ReplicaGroup, join_replicas
 from parallel3d.hf.export import save_run_model
 from parallel3d.hf.lora import merged_state, save_run_adapter, split_adapters
 from parallel3d.inference.evaluate import Evaluator, open_evaluator
@@ -100,10 +101,16 @@ def train(cfg: DictConfig) -> Path:
     tensorboard = start_tensorboard(run_dir, start_step) if is_rank0 and c.logging.tensorboard else None
     logger = MetricsLogger(run_dir, c.train.steps, is_rank0, wandb_run, resumed_at=start_step, progress=progress,
                            tensorboard=tensorboard)
-    loop = TrainLoop(setup, sampler, checkpointer, state, logger, progress, config_yaml, evaluator, guard)
+    replicas = join_replicas(c, run_dir, train=state, guard=guard, sampler=sampler, start_step=start_step,
+                             device=device) if c.ft.enabled else None  # fault tolerance across groups
+    loop = TrainLoop(setup, sampler, checkpointer, state, logger, progress, config_yaml, evaluator, guard, replicas)
     if is_rank0:
         print_banner(c, setup, world_size, run_dir)
-    loop.run(start_step)
+    try:
+        loop.run(start_step)
+    finally:
+        if replicas is not None:
+            replicas.close()
     if c.train.save_model:
         state = full_model_state(setup.parts, setup.meshes.pp)  # a collective: every rank
         if is_rank0 and c.model.lora.rank:  # the adapters in PEFT's format, and merged into the weights
@@ -165,8 +172,9 @@ class TrainLoop:
 
     def __init__(self, setup: Setup, sampler: StepSampler, checkpointer: Checkpointer, state: TrainState,
                  logger: MetricsLogger, progress: Progress, config_yaml: str, evaluator: Evaluator | None = None,
-                 guard: BadStepGuard | None = None):
+                 guard: BadStepGuard | None = None, replicas: ReplicaGroup | None = None):
         self.setup, self.sampler, self.checkpointer, self.state = setup, sampler, checkpointer, state
+        self.replicas = replicas  # ft.enabled: the quorum of replica groups (parallel3d/ft/)
         self.guard = guard or BadStepGuard.for_run(setup.config.train, setup.config.debug)
         self.logger, self.progress, self.config_yaml = logger, progress, config_yaml
         self.meter = StepMeter(setup, warn=progress.write)
@@ -186,6 +194,8 @@ class TrainLoop:
         step = start_step
         while step < t.steps:
             step += 1
+            if self.replicas is not None:  # a heal moves this group to its live peers' step
+                step = self.join_quorum()
             watchdog.mark(step)  # a stall from here on is named when a collective times out
             self.checkpointer.poll()
             lr = self.setup.scheduler.get_last_lr()[0]
@@ -194,6 +204,9 @@ class TrainLoop:
                 loss_sum, grad_norm = self.step(step)
             except torch.cuda.OutOfMemoryError as e:  # dumps the allocator's snapshot when profile.memory says
                 raise self.profiler.out_of_memory(step) from e
+            if self.replicas is not None and not self.replicas.committed:  # discarded by every group: again
+                step -= 1
+                continue
             if self.guard.rollback_due:  # train.max_bad_steps bad steps in a row (every rank agrees)
                 step = self.roll_back(step)
                 continue
@@ -218,11 +231,20 @@ class TrainLoop:
         self.meter.start()
         self.guard.begin(step)
         loss_sum, grad_norm, expert_loads = train_step(self.setup, micro_batches, guard=self.guard,  # may skip the update
-                                                       trained_tokens=self.sampler.trained_tokens(step))
+                                                       trained_tokens=self.sampler.trained_tokens(step),
+                                                       replicas=self.replicas)
         self.moe_stats = expert_metrics(expert_loads, dp=self.setup.dims.dp)  # {} for a dense model
         self.meter.stepped(waited)  # measures the model state while the gradients still exist
         self.setup.optimizer.zero_grad(set_to_none=True)  # every trainable parameter, without walking the modules
         return loss_sum, grad_norm
+
+    def join_quorum(self) -> int:
+        """ft.enabled: the step's quorum; after a heal or a discarded step the batches restart at the step."""
+        step = self.replicas.begin()
+        if self.replicas.healed_from is not None or step != self.batches.next_step:
+            self.batches.close()
+            self.batches = Prefetcher(self.sampler, step, self.setup.config.train.steps)
+        return step
 
     def evaluate(self, step: int, *_) -> None:
         """val_loss on the held-out batches when eval.every says (and at the last step)."""
@@ -250,6 +272,8 @@ class TrainLoop:
         every = c.checkpoint.every
         if self.guard.skipped and not force and step != c.train.steps:
             return  # a rollback's target must come from before a run of bad steps
+        if self.replicas is not None and not self.replicas.writes_checkpoints:
+            return  # one replica group writes the persistent checkpoint
         if force or (every and (step % every == 0 or step == c.train.steps)):
             layout = {**self.setup.dims.sizes(), "zero_stage": c.parallel.zero_stage,
                       "pp_schedule": c.parallel.pp_schedule}

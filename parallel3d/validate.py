@@ -18,6 +18,7 @@ import torch
 
 from parallel3d.base import DTYPES, ConfigError, divisors, resolve_device
 from parallel3d.checkpoint.checks import check_checkpoint, run_dir_of
+from parallel3d.config.fault_tolerance import check_ft
 from parallel3d.config.hf_folder import named_in_folder
 from parallel3d.data.checks import check_data
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file
@@ -93,6 +94,7 @@ def check(cfg, world_size: int, device: str | None = None):
     _check_logging(cfg.logging)
     _check_profile(cfg.profile, cfg.debug, cfg.train.steps, world_size)
     check_checkpoint(cfg.checkpoint, cfg.model, run_dir_of(cfg))
+    check_ft(cfg)
     return cfg
 
 

@@ -196,8 +196,9 @@ def prefetch_selected(request, parity: Parity, layouts: list[Layout], param: str
 # left running alone at the end.
 LONGEST_FIRST = ("test_checkpoint.py", "test_dryrun.py", "test_parallel_pipeline.py", "test_parallel_expert.py",
                  "test_parallel_pipeline_zero.py", "test_recovery.py", "test_train.py", "test_parallel_tensor.py",
-                 "test_launch_multinode.py", "test_precision.py", "test_parallel_context.py", "test_evaluate.py",
-                 "test_parallel_activation.py", "test_parallel_data.py", "test_hf_finetune.py", "test_lora.py",
+                 "test_ft.py", "test_launch_multinode.py", "test_precision.py", "test_parallel_context.py",
+                 "test_evaluate.py", "test_parallel_activation.py", "test_parallel_data.py", "test_hf_finetune.py",
+                 "test_lora.py",
                  "test_planner_activations.py", "test_parallel_mla.py", "test_checkpoint_failures.py",
                  "test_parallel_float8.py", "test_muon.py", "test_data_corpus.py", "test_guard.py", "test_hf.py",
                  "test_faults.py", "test_benchmarks.py", "test_validate.py", "test_observability.py",

@@ -272,6 +272,12 @@ class DebugConfig:
     # carries (tests/parity_tolerance.py); another draw is another sample of that noise.
     grad_noise: float = 0.0
     grad_noise_draw: int = 0
+    # Fault tolerance (ft.enabled): this group's part of the cross-group all-reduce fails at these steps
+    # (every group then discards the step, under DiLoCo the sync's period, and trains it again); a step
+    # after one with fewer than ft.replicas groups waits ft_alone_sleep_s first (survivors slow enough
+    # for a restarted group to rejoin them while they keep stepping).
+    ft_fail_steps: list[int] = field(default_factory=list)
+    ft_alone_sleep_s: float = 0.0
 
 
 @dataclass
@@ -321,6 +327,33 @@ class SlurmConfig:
 
 
 @dataclass
+class DilocoConfig:
+    """``ft.semi_sync=diloco``: each group takes inner_steps optimizer steps alone, then the groups
+    average how far they moved (the pseudo-gradient) and take one outer Nesterov step together."""
+
+    inner_steps: int = 20  # local steps between two synchronizations (H)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+
+@dataclass
+class FTConfig:
+    """Fault tolerance across replica groups through torchft (parallel3d/ft/, docs/fault-tolerance.md):
+    each group is its own torchrun job with its own run_dir; the groups average gradients every step."""
+
+    enabled: bool = False
+    lighthouse: Optional[str] = None  # http://HOST:PORT of parallel3d-lighthouse; None: $TORCHFT_LIGHTHOUSE
+    replica_id: int = 0  # this group's index, 0..replicas-1: it trains that slice of every global batch
+    replicas: int = 2  # replica groups of the run: the global batch is cut into this many slices
+    min_replicas: int = 1  # a step commits only with at least this many groups in its quorum
+    semi_sync: str = "none"  # none: gradients averaged every step | diloco: every ft.diloco.inner_steps
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    timeout_s: float = 60.0  # a cross-group collective, a commit vote or a heal that takes longer fails the step
+    quorum_timeout_s: float = 60.0  # no quorum from the lighthouse within this: one line, exit
+    connect_timeout_s: float = 10.0  # reaching the lighthouse and the peers' managers
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -333,6 +366,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
     run_dir: str = "${hydra:runtime.output_dir}"
     recipe: Optional[str] = None  # the recipe's name, set by the recipe itself
 

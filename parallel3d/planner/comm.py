@@ -35,6 +35,11 @@ When the code communicates (see ``parallel/data.py`` and torch's pipelining stag
   replicated under sequence parallelism and their gradients partial sums, all-reduced
   each time the data-parallel wrapper reduces gradients (FSDP: every micro batch), or once per
   step without one.
+* Fault tolerance (``ft.enabled``, group ``ft``): after the group's own reduction each rank
+  all-reduces its gradient shard (DDP: all of it) once per step with the same rank of every other
+  replica group, in ``reduce_dtype``, over ``ft.replicas`` members (``parallel3d/ft/replica.py``);
+  under ``ft.semi_sync=diloco`` the float32 pseudo-gradient of the same shard once per
+  ``ft.diloco.inner_steps`` steps, counted per step as its share (``parallel3d/ft/diloco.py``).
 * Pipeline: each microbatch sends its activations (b·s·dim·c, s/tp under sequence parallelism)
   to the next stage on another rank and the gradient back; tied embeddings all-reduce the
   embedding gradient between the first and last stage (a group of two) once per step.
@@ -63,7 +68,8 @@ from parallel3d.planner.activations import Geometry, checkpointed
 from parallel3d.planner.layout import MASTER_BYTES, Layout, ModelShape, Stage, embedding_param
 from parallel3d.planner.memory import NS_BYTES, expert_local_shape, param_state, tp_local_shape
 
-GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp", "cp", "dp_cp", "dp_shard_cp", "cp_tp", "ep", "expert_dp")
+GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp", "cp", "dp_cp", "dp_shard_cp", "cp_tp", "ep", "expert_dp",
+          "ft")
 
 
 def ring(kind: str, total_bytes: float, n: int) -> float:
@@ -112,6 +118,11 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
                                                                        layout.dp_replicate)
         # Without data parallelism train.settle_gradients reduces once (FSDP on one rank, which
         # only casts, reduces nothing, and leaves the tensor-parallel partial sums to it).
+        if layout.ft_replicas > 1:  # ft.enabled: this rank's reduced gradients, with the other groups' same rank
+            local = padded_numel(model, stage, layout, n) // n  # its gradient shard (DDP: n = 1, all of it)
+            # DiLoCo: the float32 pseudo-gradient of the same shard, once per ft_sync_every steps
+            each = reduce if layout.ft_sync_every == 1 else MASTER_BYTES
+            out["ft"]["all_reduce"] += ring("all_reduce", local * each, layout.ft_replicas) / layout.ft_sync_every
         if layout.tp > 1:
             _tensor_parallel(out["tp"], model, stage, layout, reductions if replicas > 1 else 1)
         if layout.cp > 1:

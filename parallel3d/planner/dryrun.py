@@ -208,6 +208,41 @@ def dry_run(overrides: list[str], world_size: int, ranks: list[int] | None = Non
     return reports
 
 
+class CountedReplicas:
+    """ft.enabled: the step's cross-group all-reduces without other groups (step.ReplicaSync): what
+    parallel3d/ft/replica.py would send, counted under ``ft`` from the step's real gradients."""
+
+    def __init__(self, kinds: dict[str, CommStat], replicas: int, every: int = 1):
+        self.kinds, self.replicas, self.every = kinds, replicas, every  # every: DiLoCo's inner steps
+        self.params: list[torch.Tensor] = []
+
+    def _count(self, tensors: list[torch.Tensor], share: float = 1.0) -> None:
+        stat = self.kinds["all_reduce"]
+        stat.group_size, stat.calls = self.replicas, stat.calls + 1
+        payload = sum(t.numel() * t.element_size() for t in tensors) * share
+        stat.bytes += payload
+        stat.sent_bytes += 2.0 * payload * (self.replicas - 1) / self.replicas
+
+    def average_gradients(self, params: list[torch.Tensor], loss_sum: torch.Tensor) -> None:
+        self.params = params
+        if self.every == 1:
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+            self._count(grads + [loss_sum])
+
+    def average(self, tensor: torch.Tensor) -> None:
+        if self.every == 1:
+            self._count([tensor])
+
+    def commit(self) -> bool:
+        return True
+
+    def after_update(self) -> None:
+        """DiLoCo: the pseudo-gradient (a float32 copy of each local parameter shard), per step its share."""
+        if self.every > 1:
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
+            self._count([torch.empty(t.shape, dtype=torch.float32, device="meta") for t in local], 1 / self.every)
+
+
 def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankReport:
     """One rank's dry run (on the fake process group, started and destroyed here). ``fake=False``
     runs it on real tensors instead (a small model's check of what fake tensors report)."""
@@ -230,8 +265,10 @@ def run_rank(c: Config, world_size: int, rank: int, fake: bool = True) -> RankRe
                              for _ in range(setup.spec.num_micro_batches)]
             tracker = StepMemTracker()
             tracker.track_external(model, setup.optimizer, micro_batches)
+            every = c.ft.diloco.inner_steps if c.ft.semi_sync == "diloco" else 1
+            replicas = CountedReplicas(recorder.stats["ft"], c.ft.replicas, every) if c.ft.enabled else None
             with tracker, recorder, _own_fake_mode_for_sharding_propagation():
-                train_step(setup, micro_batches)
+                train_step(setup, micro_batches, replicas=replicas)
             state = model_state_bytes(model, setup.optimizer)  # as train() measures it: after the step, grads kept
         peak = tracker.get_tracker_snapshot("peak").get(device, {})
         coords = {name: meshes.world.get_local_rank(name) for name in meshes.world.mesh_dim_names} \

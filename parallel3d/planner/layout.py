@@ -123,24 +123,31 @@ class Layout(ParallelDims):
     reset_positions: bool = False  # data.reset_positions: each block gathers per-token RoPE tables
     ep: int = 1  # expert parallelism: experts split over ep ranks of dp_shard x cp x tp, sharded over the rest
     optimizer: str = "adamw"  # optim.name: muon keeps one state tensor per block matrix, and gathers it
+    # ft.enabled: replica groups (this layout is one group's, its share of the global batch) whose
+    # gradients are all-reduced across the groups every step, after the group's own reduction
+    ft_replicas: int = 1
+    ft_sync_every: int = 1  # ft.semi_sync=diloco: steps between two cross-group all-reduces (inner_steps)
 
     @classmethod
     def from_config(cls, cfg, device: str | None = None) -> "Layout":
         """From a config that ``validate.check`` has resolved (dp_shard >= 1, zero_stage set)."""
         p, t, m = cfg.parallel, cfg.train, cfg.model
+        ft = getattr(cfg, "ft", None)
+        replicas = ft.replicas if ft is not None and ft.enabled else 1
+        every = ft.diloco.inner_steps if replicas > 1 and ft.semi_sync == "diloco" else 1
         return cls(
             dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, cp_method=p.cp_method,
             zero_stage=p.zero_stage,
             sequence_parallel=bool(p.sequence_parallel), pp_schedule=p.pp_schedule,
             stages_per_rank=stages_per_rank(p.pp_schedule, p.pp_stages_per_rank) if p.pp > 1 else 1,
             layers_per_stage=tuple(p.pp_layers_per_stage) if p.pp_layers_per_stage else None,
-            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size // replicas, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
             pp_microbatches=p.pp_microbatches, activation_checkpoint=m.activation_checkpoint,
             activation_checkpoint_every=m.activation_checkpoint_every, fsdp_prefetch=p.fsdp_prefetch,
             param_dtype=t.param_dtype,
             reduce_dtype=t.reduce_dtype, device=resolve_device(t.device, device or "cuda"), ep=p.ep,
             document_masking=bool(cfg.data.document_masking), reset_positions=bool(cfg.data.reset_positions),
-            optimizer=cfg.optim.name,
+            optimizer=cfg.optim.name, ft_replicas=replicas, ft_sync_every=every,
         )
 
     @property

@@ -40,7 +40,8 @@ def group_spans(layout: Layout) -> dict[str, int]:
     t, tc = layout.tp, layout.tp * layout.cp
     return {"tp": t, "cp": tc, "dp_shard": tc * layout.dp_shard, "dp_shard_cp": tc * layout.dp_shard,
             "dp": tc * layout.dp, "dp_cp": tc * layout.dp, "dp_replicate": tc * layout.dp, "pp": layout.world_size,
-            "ep": layout.ep, "expert_dp": tc * layout.dp}
+            "ep": layout.ep, "expert_dp": tc * layout.dp,
+            "ft": layout.world_size * layout.ft_replicas}  # one rank of each replica group: other jobs, other nodes
 
 
 @dataclass
