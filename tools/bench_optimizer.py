@@ -8,8 +8,9 @@ for_loop. Prints a Markdown block for BENCHMARKS.md.
 ``--muon``: Muon against AdamW in one layout, on every rank of a torchrun group: the real
 parallelized model of ``build_setup`` (FSDP, tp, pp, ep as the overrides say), gradients from one
 training step, then the median wall time of ``optimizer.step()`` (the slowest rank's), for
-``optim.name=adamw`` and ``muon``, and the bytes the planner counts for Muon's gathers. Prints one
-Markdown table row.
+``optim.name=adamw`` and ``muon``, of Muon's exchange alone (pieces to their owners and back,
+without Newton–Schulz), and the bytes the planner counts for that exchange. Prints one Markdown
+table row.
 
     torchrun --nproc-per-node 4 tools/bench_optimizer.py --muon [--steps 5] parallel.tp=2 ...
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def step_seconds(overrides: list[str], steps: int) -> tuple[float, float]:
     """Median wall times (the slowest rank's) of ``optimizer.step()`` after one training step, and of
-    Muon's gathers alone (0 under AdamW)."""
+    Muon's exchange alone (0 under AdamW)."""
     import torch.distributed as dist
 
     from parallel3d.step import build_setup, train_step
@@ -94,19 +95,14 @@ def step_seconds(overrides: list[str], steps: int) -> tuple[float, float]:
     batches = [(torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len), generator=g),) * 2
                for _ in range(setup.spec.num_micro_batches)]
     train_step(setup, batches)  # gradients, and the optimizer state (its first step)
-    matrices = setup.optimizer.muon.param_groups[0]["params"] if c.optim.name == "muon" else []
-    gathers = partial(_gather_all, [(p, p.detach().bfloat16() if not hasattr(p, "to_local")
-                                     else p.to_local().bfloat16()) for p in matrices])
-    return _median_seconds(setup.optimizer.step, steps), _median_seconds(gathers, steps)
-
-
-def _gather_all(pairs) -> None:
-    """Muon's gathers alone: every matrix's bfloat16 update to whole matrices and back to the slice."""
-    from parallel3d.optim.muon import gather_matrices, keep_own_slice
-
-    for param, update in pairs:
-        whole, placements = gather_matrices(update, param)
-        keep_own_slice(whole, param, placements)
+    if c.optim.name != "muon":
+        return _median_seconds(setup.optimizer.step, steps), 0.0
+    muon = setup.optimizer.muon
+    matrices = muon.param_groups[0]["params"]
+    updates = [(p.to_local() if hasattr(p, "to_local") else p).detach().bfloat16() for p in matrices]
+    # Muon's exchange alone: every piece to its matrix's owner and back, Newton–Schulz left out.
+    exchange = partial(muon.orthogonaliser, matrices, updates, lambda matrix, item: matrix)
+    return _median_seconds(setup.optimizer.step, steps), _median_seconds(exchange, steps)
 
 
 def _median_seconds(fn, steps: int) -> float:
@@ -135,14 +131,14 @@ def muon_against_adamw(args) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     init_distributed(compose([*args.overrides, "run_dir=."]).train, world)
     adamw, _ = step_seconds([*args.overrides, "optim=adamw_cosine"], args.steps)
-    muon, gathers = step_seconds([*args.overrides, "optim=muon_cosine"], args.steps)
+    muon, exchange = step_seconds([*args.overrides, "optim=muon_cosine"], args.steps)
     traffic = [predict(compose([*args.overrides, f"optim={name}", "run_dir=."]), world).comm_bytes
                for name in ("adamw_cosine", "muon_cosine")]
     extra = sum(v for group in traffic[1].values() for v in group.values()) - \
         sum(v for group in traffic[0].values() for v in group.values())
     if int(os.environ.get("RANK", "0")) == 0:
         layout = " ".join(args.overrides) or "one process"
-        print(f"| {world} | {layout} | {adamw * 1e3:.1f} | {muon * 1e3:.1f} | {gathers * 1e3:.1f} | "
+        print(f"| {world} | {layout} | {adamw * 1e3:.1f} | {muon * 1e3:.1f} | {exchange * 1e3:.1f} | "
               f"{extra / 1e6:.3f} |")
     return 0
 
