@@ -185,9 +185,13 @@ def _update_on_two_ranks(rank: int, port: int) -> None:
         whole = [torch.nn.Parameter(w.clone()) for w in weights]
         split = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [pl])) for w, (_, pl) in zip(weights, SPLITS)]
         one, two = Muon(whole, **settings), Muon(split, **settings)
-        calls = []
-        orthogonalise = muon_module.newton_schulz
-        muon_module.newton_schulz = lambda matrix, *args: calls.append(tuple(matrix.shape)) or orthogonalise(matrix, *args)
+        calls, orthogonalise = [], muon_module.newton_schulz
+
+        def counted(matrix: torch.Tensor, *args) -> torch.Tensor:
+            calls.append(tuple(matrix.shape))
+            return orthogonalise(matrix, *args)
+
+        muon_module.newton_schulz = counted  # this spawned process's own copy of the module
         for step_grads in grads:
             for w, s, grad, (_, pl) in zip(whole, split, step_grads, SPLITS):
                 w.grad, s.grad = grad.clone(), distribute_tensor(grad.clone(), mesh, [pl])
@@ -215,6 +219,27 @@ def test_a_split_matrix_gets_the_update_of_the_whole():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_update_on_two_ranks, args=(port,), nprocs=2)
+
+
+@pytest.mark.parametrize("world, overrides", [
+    (4, ["parallel.tp=2"]),  # FSDP x tp: one group of 4 holders, FSDP's strided split of tp's
+    (3, ["parallel.zero_stage=3", "model.n_layers=3", "train.global_batch_size=12"]),  # 21 matrices, 3 owners
+])
+def test_the_planner_counts_the_exchange_the_dry_run_measures(world, overrides):
+    """Muon's all-to-alls (the only ones of a dense model): by group, the bytes the planner counts
+    for the busiest holder are the most any rank sends in the dry run."""
+    from parallel3d.planner import predict
+    from parallel3d.planner.dryrun import dry_run
+
+    overrides = [*MUON, *overrides]
+    measured: dict[str, float] = {}
+    for report in dry_run(overrides, world, list(range(world))):
+        for group, kinds in report.comm.items():
+            if "all_to_all" in kinds:
+                measured[group] = max(measured.get(group, 0.0), kinds["all_to_all"].sent_bytes)
+    plan = predict(compose([*overrides, "run_dir=/nonexistent"]), world)
+    planned = {group: kinds["all_to_all"] for group, kinds in plan.comm_bytes.items() if "all_to_all" in kinds}
+    assert measured and measured == planned
 
 
 @pytest.fixture(scope="module")

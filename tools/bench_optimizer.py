@@ -14,6 +14,13 @@ table row.
 
     torchrun --nproc-per-node 4 tools/bench_optimizer.py --muon [--steps 5] parallel.tp=2 ...
 
+``--step-time``: the whole training step under Muon, one process against a torchrun group of
+``--nproc`` ranks in the overrides' layout (``OMP_NUM_THREADS=1`` for both): the median
+``step_time_s`` of metrics.jsonl after two warm-up steps, their ratio, and the load average
+while they ran. Prints one Markdown table row.
+
+    python tools/bench_optimizer.py --step-time [--steps 8] [--nproc 2] parallel.zero_stage=3
+
 All implementations start from the same parameters, gradients and state, and must compute the
 same update (checked before anything is timed). CPU time of the process is reported on a CPU (one
 torch thread by default: stable on a shared machine), CUDA-synchronized wall time on a GPU.
@@ -73,8 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per implementation (after 3 warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on a CPU")
     parser.add_argument("--muon", action="store_true", help="Muon against AdamW in the layout the overrides give")
+    parser.add_argument("--step-time", action="store_true", help="Muon's training step: one process against --nproc")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of the layout --step-time compares")
     parser.add_argument("overrides", nargs="*", help="model overrides, e.g. model=llama3_1b model.n_layers=2")
     args = parser.parse_args(argv)
+    if args.step_time:
+        return step_time_against_one_process(args)
     with torch_threads(args.threads):
         return muon_against_adamw(args) if args.muon else run(args, argv)
 
@@ -140,6 +151,35 @@ def muon_against_adamw(args) -> int:
         layout = " ".join(args.overrides) or "one process"
         print(f"| {world} | {layout} | {adamw * 1e3:.1f} | {muon * 1e3:.1f} | {exchange * 1e3:.1f} | "
               f"{extra / 1e6:.3f} |")
+    return 0
+
+
+def train_step_seconds(overrides: list[str], steps: int, nproc: int) -> float:
+    """Median ``step_time_s`` (after two warm-up steps) of a Muon training run of ``nproc`` ranks."""
+    import os
+    import subprocess
+    import tempfile
+
+    from parallel3d.observe.metrics import read_metrics
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [*(launcher if nproc > 1 else [sys.executable]), "-m", "parallel3d.train", f"run_dir={tmp}/run",
+                   "optim=muon_cosine", f"train.steps={steps}", "optim.warmup_steps=2", *overrides]
+        env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+        subprocess.run(command, check=True, capture_output=True, env=env)
+        return statistics.median(r["step_time_s"] for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl")[2:])
+
+
+def step_time_against_one_process(args) -> int:
+    import os
+
+    before = os.getloadavg()[0]
+    one = train_step_seconds([], args.steps, 1)
+    layout = train_step_seconds(args.overrides, args.steps, args.nproc)
+    after = os.getloadavg()[0]
+    print(f"| {' '.join(args.overrides)} | {args.nproc} | {one:.2f} | {layout:.2f} | {layout / one:.2f}x | "
+          f"{before:.1f}-{after:.1f} |")
     return 0
 
 
