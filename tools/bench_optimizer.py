@@ -14,12 +14,16 @@ table row.
 
     torchrun --nproc-per-node 4 tools/bench_optimizer.py --muon [--steps 5] parallel.tp=2 ...
 
-``--step-time``: the whole training step under Muon, one process against a torchrun group of
-``--nproc`` ranks in the overrides' layout (``OMP_NUM_THREADS=1`` for both): the median
-``step_time_s`` of metrics.jsonl after two warm-up steps, their ratio, and the load average
+``--step-time``: the whole training step (under Muon, or ``--optim``; the overrides apply to both),
+one process against a torchrun group of ``--nproc`` ranks in ``--layout`` (``OMP_NUM_THREADS=1``
+for both): the median ``step_time_s`` of metrics.jsonl after two warm-up steps, in ``--repeats``
+pairs of runs (one process, then the layout, so that both meet the same load on a shared
+machine), the median of each and the pairs' ratios; the same for the CPU seconds a step costs each rank (which another
+job's load on a shared machine leaves nearly alone, unlike wall time); and the load average
 while they ran. Prints one Markdown table row.
 
-    python tools/bench_optimizer.py --step-time [--steps 8] [--nproc 2] parallel.zero_stage=3
+    python tools/bench_optimizer.py --step-time [--steps 12] [--repeats 3] [--nproc 2] \
+        [--layout "parallel.zero_stage=3"] [--optim adamw_cosine] [model.dim=256 ...]
 
 All implementations start from the same parameters, gradients and state, and must compute the
 same update (checked before anything is timed). CPU time of the process is reported on a CPU (one
@@ -82,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--muon", action="store_true", help="Muon against AdamW in the layout the overrides give")
     parser.add_argument("--step-time", action="store_true", help="Muon's training step: one process against --nproc")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the layout --step-time compares")
+    parser.add_argument("--optim", default="muon_cosine", help="--step-time: the optimizer (conf/optim/)")
+    parser.add_argument("--layout", default="parallel.zero_stage=3", help="--step-time: the layout's overrides")
+    parser.add_argument("--repeats", type=int, default=3, help="--step-time: pairs of runs (one process, the layout)")
     parser.add_argument("overrides", nargs="*", help="model overrides, e.g. model=llama3_1b model.n_layers=2")
     args = parser.parse_args(argv)
     if args.step_time:
@@ -154,9 +161,12 @@ def muon_against_adamw(args) -> int:
     return 0
 
 
-def train_step_seconds(overrides: list[str], steps: int, nproc: int) -> float:
-    """Median ``step_time_s`` (after two warm-up steps) of a Muon training run of ``nproc`` ranks."""
+def train_run(overrides: list[str], steps: int, nproc: int) -> tuple[float, float]:
+    """A training run of ``nproc`` ranks (``overrides`` name the optimizer): its median
+    ``step_time_s`` after two warm-up steps (none: 0), and the CPU seconds all its processes used
+    (start-up included)."""
     import os
+    import resource
     import subprocess
     import tempfile
 
@@ -165,21 +175,42 @@ def train_step_seconds(overrides: list[str], steps: int, nproc: int) -> float:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     with tempfile.TemporaryDirectory() as tmp:
         command = [*(launcher if nproc > 1 else [sys.executable]), "-m", "parallel3d.train", f"run_dir={tmp}/run",
-                   "optim=muon_cosine", f"train.steps={steps}", "optim.warmup_steps=2", *overrides]
+                   f"train.steps={steps}", "optim.warmup_steps=1", *overrides]
         env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(command, check=True, capture_output=True, env=env)
-        return statistics.median(r["step_time_s"] for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl")[2:])
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        timed = [r["step_time_s"] for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl")[2:]]
+        return statistics.median(timed) if timed else 0.0, cpu
+
+
+def step_cost(overrides: list[str], steps: int, nproc: int) -> tuple[float, float]:
+    """Median ``step_time_s`` and CPU seconds per step and rank: the CPU of a run of ``steps``
+    less that of a run of 2, over the steps between and the ranks (start-up cancels out)."""
+    wall, cpu = train_run(overrides, steps, nproc)
+    _, start = train_run(overrides, 2, nproc)
+    return wall, (cpu - start) / (steps - 2) / nproc
 
 
 def step_time_against_one_process(args) -> int:
+    """``--repeats`` pairs, one process then the layout, so that both meet the same load; the
+    median of each and of the pairs' ratios, wall and CPU."""
     import os
 
-    before = os.getloadavg()[0]
-    one = train_step_seconds([], args.steps, 1)
-    layout = train_step_seconds(args.overrides, args.steps, args.nproc)
-    after = os.getloadavg()[0]
-    print(f"| {' '.join(args.overrides)} | {args.nproc} | {one:.2f} | {layout:.2f} | {layout / one:.2f}x | "
-          f"{before:.1f}-{after:.1f} |")
+    loads, pairs = [os.getloadavg()[0]], []
+    both = [f"optim={args.optim}", *args.overrides]
+    for _ in range(args.repeats):
+        one, layout = step_cost(both, args.steps, 1), step_cost([*both, *args.layout.split()], args.steps, args.nproc)
+        pairs.append((*one, *layout))
+        loads.append(os.getloadavg()[0])
+    one, one_cpu, layout, layout_cpu = (statistics.median(column) for column in zip(*pairs))
+    ratios = [b / a for a, _, b, _ in pairs]
+    cpu_ratio = statistics.median(d / c for _, c, _, d in pairs)
+    print(f"| {args.optim} {' '.join(args.overrides)} | {args.layout} | {args.nproc} | {one:.3f} | {layout:.3f} | "
+          f"{statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}) | {one_cpu:.3f} | "
+          f"{layout_cpu:.3f} | {cpu_ratio:.2f}x | "
+          f"{min(loads):.1f}-{max(loads):.1f} |")
     return 0
 
 
