@@ -157,11 +157,11 @@ def test_bad_muon_keys_fail_naming_the_key(override, key):
         check(compose([*MUON, override, "run_dir=."]), 1)
 
 
-# (shape, placement over 2 ranks): FSDP's and tp's splits of a matrix (an uneven one too, and
-# FSDP's strided split of a tp split), and stacked experts split along the expert dim (ep, FSDP:
+# (shape, placement over 2 ranks): FSDP's and tp's splits of a matrix (uneven ones too, one that
+# leaves a rank nothing, and FSDP's strided split of a tp split), and stacked experts split along the expert dim (ep, FSDP:
 # orthogonalised where they lie) or, as a check, along a matrix dim (each expert shared out).
 SPLITS = [((63, 48), Shard(0)), ((48, 64), Shard(1)), ((64, 32), _StridedShard(0, split_factor=2)),
-          ((96, 40), Shard(0)), ((4, 24, 16), Shard(0)), ((4, 24, 16), Shard(2))]
+          ((96, 40), Shard(0)), ((1, 40), Shard(0)), ((4, 24, 16), Shard(0)), ((4, 24, 16), Shard(2))]
 
 
 def _update_on_two_ranks(rank: int, port: int) -> None:
@@ -223,7 +223,7 @@ def test_a_split_matrix_gets_the_update_of_the_whole():
 
 @pytest.mark.parametrize("world, overrides", [
     (4, ["parallel.tp=2"]),  # FSDP x tp: one group of 4 holders, FSDP's strided split of tp's
-    (3, ["parallel.zero_stage=3", "model.n_layers=3", "train.global_batch_size=12"]),  # 21 matrices, 3 owners
+    (3, ["parallel.zero_stage=3", "train.global_batch_size=12"]),  # 14 matrices: 3 owners' shares differ
 ])
 def test_the_planner_counts_the_exchange_the_dry_run_measures(world, overrides):
     """Muon's all-to-alls (the only ones of a dense model): by group, the bytes the planner counts
