@@ -227,8 +227,10 @@ def test_a_split_matrix_gets_the_update_of_the_whole():
 ])
 def test_the_planner_counts_the_exchange_the_dry_run_measures(world, overrides):
     """Muon's all-to-alls (the only ones of a dense model): by group, the bytes the planner counts
-    for the busiest holder are the most any rank sends in the dry run."""
+    for the busiest holder are the most any rank sends in the dry run; the step-time estimate
+    counts them as exposed."""
     from parallel3d.planner import predict
+    from parallel3d.planner.plan import Hardware
     from parallel3d.planner.dryrun import dry_run
 
     overrides = [*MUON, *overrides]
@@ -237,9 +239,10 @@ def test_the_planner_counts_the_exchange_the_dry_run_measures(world, overrides):
         for group, kinds in report.comm.items():
             if "all_to_all" in kinds:
                 measured[group] = max(measured.get(group, 0.0), kinds["all_to_all"].sent_bytes)
-    plan = predict(compose([*overrides, "run_dir=/nonexistent"]), world)
+    plan = predict(compose([*overrides, "run_dir=/nonexistent"]), world, Hardware())
     planned = {group: kinds["all_to_all"] for group, kinds in plan.comm_bytes.items() if "all_to_all" in kinds}
     assert measured and measured == planned
+    assert plan.step_time.exposed_comm_s >= sum(planned.values()) / Hardware().intra_node_bw
 
 
 @pytest.fixture(scope="module")
