@@ -11,6 +11,7 @@ import torch
 from conftest import assert_matches
 from omegaconf import OmegaConf
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
@@ -156,15 +157,21 @@ def test_bad_muon_keys_fail_naming_the_key(override, key):
         check(compose([*MUON, override, "run_dir=."]), 1)
 
 
-# (shape, placement over 2 ranks): FSDP's and tp's splits of a matrix (an uneven one too), and
-# stacked experts split along the expert dim (ep, FSDP: no gather) or, as a check, a matrix dim.
-SPLITS = [((63, 48), Shard(0)), ((48, 64), Shard(1)), ((4, 24, 16), Shard(0)), ((4, 24, 16), Shard(2))]
+# (shape, placement over 2 ranks): FSDP's and tp's splits of a matrix (uneven ones too, one that
+# leaves a rank nothing, and FSDP's strided split of a tp split), and stacked experts split along the expert dim (ep, FSDP:
+# orthogonalised where they lie) or, as a check, along a matrix dim (each expert shared out).
+SPLITS = [((63, 48), Shard(0)), ((48, 64), Shard(1)), ((64, 32), _StridedShard(0, split_factor=2)),
+          ((96, 40), Shard(0)), ((1, 40), Shard(0)), ((4, 24, 16), Shard(0)), ((4, 24, 16), Shard(2))]
 
 
 def _update_on_two_ranks(rank: int, port: int) -> None:
-    """Each split's Muon steps on DTensors equal one process's on the whole tensor, bit for bit."""
+    """One Muon over every split steps as one process does on the whole tensors, bit for bit, and
+    each rank runs Newton–Schulz only on its share of the split matrices."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel3d.optim import muon as muon_module
+    from parallel3d.optim.orthogonalise import owners
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -172,16 +179,32 @@ def _update_on_two_ranks(rank: int, port: int) -> None:
         mesh = init_device_mesh("cpu", (2,))
         settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, eps=1e-7, ns_steps=5,
                         ns_coefficients=(3.4445, -4.775, 2.0315), adjust_lr_fn="original")
-        for i, (shape, placement) in enumerate(SPLITS):
-            g = torch.Generator().manual_seed(i)
-            weight, grads = torch.randn(shape, generator=g), [torch.randn(shape, generator=g) for _ in range(2)]
-            whole = torch.nn.Parameter(weight.clone())
-            split = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [placement]))
-            one, two = Muon([whole], **settings), Muon([split], **settings)
-            for grad in grads:
-                whole.grad, split.grad = grad.clone(), distribute_tensor(grad.clone(), mesh, [placement])
-                one.step(), two.step()
-            assert torch.equal(split.full_tensor(), whole.detach()), (shape, placement)
+        g = torch.Generator().manual_seed(0)
+        weights = [torch.randn(shape, generator=g) for shape, _ in SPLITS]
+        grads = [[torch.randn(shape, generator=g) for shape, _ in SPLITS] for _ in range(2)]
+        whole = [torch.nn.Parameter(w.clone()) for w in weights]
+        split = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [pl])) for w, (_, pl) in zip(weights, SPLITS)]
+        one, two = Muon(whole, **settings), Muon(split, **settings)
+        calls, orthogonalise = [], muon_module.newton_schulz
+
+        def counted(matrix: torch.Tensor, *args) -> torch.Tensor:
+            calls.append(tuple(matrix.shape))
+            return orthogonalise(matrix, *args)
+
+        muon_module.newton_schulz = counted  # this spawned process's own copy of the module
+        for step_grads in grads:
+            for w, s, grad, (_, pl) in zip(whole, split, step_grads, SPLITS):
+                w.grad, s.grad = grad.clone(), distribute_tensor(grad.clone(), mesh, [pl])
+            one.step()
+            calls.clear()
+            two.step()
+        for s, w, (shape, pl) in zip(split, whole, SPLITS):
+            assert torch.equal(s.full_tensor(), w.detach()), (shape, pl)
+        shared = [shape[-2:] for shape, pl in SPLITS for _ in range(shape[0] if len(shape) == 3 else 1)
+                  if pl.dim >= len(shape) - 2]  # matrices in pieces: each orthogonalised by its owner
+        mine = sorted(s for s, owner in zip(shared, owners(shared, 2)) if owner == rank)
+        local = [shape[-2:] for shape, pl in SPLITS if len(shape) == 3 and pl.dim == 0 for _ in range(shape[0] // 2)]
+        assert sorted(calls) == sorted([*mine, *local]) and 0 < len(mine) < len(shared), (rank, calls)
     finally:
         dist.destroy_process_group()
 
@@ -196,6 +219,30 @@ def test_a_split_matrix_gets_the_update_of_the_whole():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_update_on_two_ranks, args=(port,), nprocs=2)
+
+
+@pytest.mark.parametrize("world, overrides", [
+    (4, ["parallel.tp=2"]),  # FSDP x tp: one group of 4 holders, FSDP's strided split of tp's
+    (3, ["parallel.zero_stage=3", "train.global_batch_size=12"]),  # 14 matrices: 3 owners' shares differ
+])
+def test_the_planner_counts_the_exchange_the_dry_run_measures(world, overrides):
+    """Muon's all-to-alls (the only ones of a dense model): by group, the bytes the planner counts
+    for the busiest holder are the most any rank sends in the dry run; the step-time estimate
+    counts them as exposed."""
+    from parallel3d.planner import predict
+    from parallel3d.planner.plan import Hardware
+    from parallel3d.planner.dryrun import dry_run
+
+    overrides = [*MUON, *overrides]
+    measured: dict[str, float] = {}
+    for report in dry_run(overrides, world, list(range(world))):
+        for group, kinds in report.comm.items():
+            if "all_to_all" in kinds:
+                measured[group] = max(measured.get(group, 0.0), kinds["all_to_all"].sent_bytes)
+    plan = predict(compose([*overrides, "run_dir=/nonexistent"]), world, Hardware())
+    planned = {group: kinds["all_to_all"] for group, kinds in plan.comm_bytes.items() if "all_to_all" in kinds}
+    assert measured and measured == planned
+    assert plan.step_time.exposed_comm_s >= sum(planned.values()) / Hardware().intra_node_bw
 
 
 @pytest.fixture(scope="module")

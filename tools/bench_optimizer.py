@@ -8,10 +8,22 @@ for_loop. Prints a Markdown block for BENCHMARKS.md.
 ``--muon``: Muon against AdamW in one layout, on every rank of a torchrun group: the real
 parallelized model of ``build_setup`` (FSDP, tp, pp, ep as the overrides say), gradients from one
 training step, then the median wall time of ``optimizer.step()`` (the slowest rank's), for
-``optim.name=adamw`` and ``muon``, and the bytes the planner counts for Muon's gathers. Prints one
-Markdown table row.
+``optim.name=adamw`` and ``muon``, of Muon's exchange alone (pieces to their owners and back,
+without Newton–Schulz), and the bytes the planner counts for that exchange. Prints one Markdown
+table row.
 
     torchrun --nproc-per-node 4 tools/bench_optimizer.py --muon [--steps 5] parallel.tp=2 ...
+
+``--step-time``: the whole training step (under Muon, or ``--optim``; the overrides apply to both),
+one process against a torchrun group of ``--nproc`` ranks in ``--layout`` (``OMP_NUM_THREADS=1``
+for both): the median ``step_time_s`` of metrics.jsonl after two warm-up steps, in ``--repeats``
+pairs of runs (one process, then the layout, so that both meet the same load on a shared
+machine), the median of each and the pairs' ratios; the same for the CPU seconds a step costs each rank (which another
+job's load on a shared machine leaves nearly alone, unlike wall time); and the load average
+while they ran. Prints one Markdown table row.
+
+    python tools/bench_optimizer.py --step-time [--steps 12] [--repeats 3] [--nproc 2] \
+        [--layout "parallel.zero_stage=3"] [--optim adamw_cosine] [model.dim=256 ...]
 
 All implementations start from the same parameters, gradients and state, and must compute the
 same update (checked before anything is timed). CPU time of the process is reported on a CPU (one
@@ -72,15 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per implementation (after 3 warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on a CPU")
     parser.add_argument("--muon", action="store_true", help="Muon against AdamW in the layout the overrides give")
+    parser.add_argument("--step-time", action="store_true", help="Muon's training step: one process against --nproc")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of the layout --step-time compares")
+    parser.add_argument("--optim", default="muon_cosine", help="--step-time: the optimizer (conf/optim/)")
+    parser.add_argument("--layout", default="parallel.zero_stage=3", help="--step-time: the layout's overrides")
+    parser.add_argument("--repeats", type=int, default=3, help="--step-time: pairs of runs (one process, the layout)")
     parser.add_argument("overrides", nargs="*", help="model overrides, e.g. model=llama3_1b model.n_layers=2")
     args = parser.parse_args(argv)
+    if args.step_time:
+        return step_time_against_one_process(args)
     with torch_threads(args.threads):
         return muon_against_adamw(args) if args.muon else run(args, argv)
 
 
 def step_seconds(overrides: list[str], steps: int) -> tuple[float, float]:
     """Median wall times (the slowest rank's) of ``optimizer.step()`` after one training step, and of
-    Muon's gathers alone (0 under AdamW)."""
+    Muon's exchange alone (0 under AdamW)."""
     import torch.distributed as dist
 
     from parallel3d.step import build_setup, train_step
@@ -94,19 +113,14 @@ def step_seconds(overrides: list[str], steps: int) -> tuple[float, float]:
     batches = [(torch.randint(0, c.model.vocab_size, (t.micro_batch_size, t.seq_len), generator=g),) * 2
                for _ in range(setup.spec.num_micro_batches)]
     train_step(setup, batches)  # gradients, and the optimizer state (its first step)
-    matrices = setup.optimizer.muon.param_groups[0]["params"] if c.optim.name == "muon" else []
-    gathers = partial(_gather_all, [(p, p.detach().bfloat16() if not hasattr(p, "to_local")
-                                     else p.to_local().bfloat16()) for p in matrices])
-    return _median_seconds(setup.optimizer.step, steps), _median_seconds(gathers, steps)
-
-
-def _gather_all(pairs) -> None:
-    """Muon's gathers alone: every matrix's bfloat16 update to whole matrices and back to the slice."""
-    from parallel3d.optim.muon import gather_matrices, keep_own_slice
-
-    for param, update in pairs:
-        whole, placements = gather_matrices(update, param)
-        keep_own_slice(whole, param, placements)
+    if c.optim.name != "muon":
+        return _median_seconds(setup.optimizer.step, steps), 0.0
+    muon = setup.optimizer.muon
+    matrices = muon.param_groups[0]["params"]
+    updates = [(p.to_local() if hasattr(p, "to_local") else p).detach().bfloat16() for p in matrices]
+    # Muon's exchange alone: every piece to its matrix's owner and back, Newton–Schulz left out.
+    exchange = partial(muon.orthogonaliser, matrices, updates, lambda matrix, item: matrix)
+    return _median_seconds(setup.optimizer.step, steps), _median_seconds(exchange, steps)
 
 
 def _median_seconds(fn, steps: int) -> float:
@@ -135,15 +149,68 @@ def muon_against_adamw(args) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     init_distributed(compose([*args.overrides, "run_dir=."]).train, world)
     adamw, _ = step_seconds([*args.overrides, "optim=adamw_cosine"], args.steps)
-    muon, gathers = step_seconds([*args.overrides, "optim=muon_cosine"], args.steps)
+    muon, exchange = step_seconds([*args.overrides, "optim=muon_cosine"], args.steps)
     traffic = [predict(compose([*args.overrides, f"optim={name}", "run_dir=."]), world).comm_bytes
                for name in ("adamw_cosine", "muon_cosine")]
     extra = sum(v for group in traffic[1].values() for v in group.values()) - \
         sum(v for group in traffic[0].values() for v in group.values())
     if int(os.environ.get("RANK", "0")) == 0:
         layout = " ".join(args.overrides) or "one process"
-        print(f"| {world} | {layout} | {adamw * 1e3:.1f} | {muon * 1e3:.1f} | {gathers * 1e3:.1f} | "
+        print(f"| {world} | {layout} | {adamw * 1e3:.1f} | {muon * 1e3:.1f} | {exchange * 1e3:.1f} | "
               f"{extra / 1e6:.3f} |")
+    return 0
+
+
+def train_run(overrides: list[str], steps: int, nproc: int) -> tuple[float, float]:
+    """A training run of ``nproc`` ranks (``overrides`` name the optimizer): its median
+    ``step_time_s`` after two warm-up steps (none: 0), and the CPU seconds all its processes used
+    (start-up included)."""
+    import os
+    import resource
+    import subprocess
+    import tempfile
+
+    from parallel3d.observe.metrics import read_metrics
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [*(launcher if nproc > 1 else [sys.executable]), "-m", "parallel3d.train", f"run_dir={tmp}/run",
+                   f"train.steps={steps}", "optim.warmup_steps=1", *overrides]
+        env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(command, check=True, capture_output=True, env=env)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        timed = [r["step_time_s"] for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl")[2:]]
+        return statistics.median(timed) if timed else 0.0, cpu
+
+
+def step_cost(overrides: list[str], steps: int, nproc: int) -> tuple[float, float]:
+    """Median ``step_time_s`` and CPU seconds per step and rank: the CPU of a run of ``steps``
+    less that of a run of 2, over the steps between and the ranks (start-up cancels out)."""
+    wall, cpu = train_run(overrides, steps, nproc)
+    _, start = train_run(overrides, 2, nproc)
+    return wall, (cpu - start) / (steps - 2) / nproc
+
+
+def step_time_against_one_process(args) -> int:
+    """``--repeats`` pairs, one process then the layout, so that both meet the same load; the
+    median of each and of the pairs' ratios, wall and CPU."""
+    import os
+
+    loads, pairs = [os.getloadavg()[0]], []
+    both = [f"optim={args.optim}", *args.overrides]
+    for _ in range(args.repeats):
+        one, layout = step_cost(both, args.steps, 1), step_cost([*both, *args.layout.split()], args.steps, args.nproc)
+        pairs.append((*one, *layout))
+        loads.append(os.getloadavg()[0])
+    one, one_cpu, layout, layout_cpu = (statistics.median(column) for column in zip(*pairs))
+    ratios = [b / a for a, _, b, _ in pairs]
+    cpu_ratio = statistics.median(d / c for _, c, _, d in pairs)
+    print(f"| {args.optim} {' '.join(args.overrides)} | {args.layout} | {args.nproc} | {one:.3f} | {layout:.3f} | "
+          f"{statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}) | {one_cpu:.3f} | "
+          f"{layout_cpu:.3f} | {cpu_ratio:.2f}x | "
+          f"{min(loads):.1f}-{max(loads):.1f} |")
     return 0
 
 

@@ -12,10 +12,11 @@ head, norms, routers and biases stay with AdamW.
 
 Distributed: the momentum is elementwise, so it lives sharded like its parameter and is updated
 on the local shard (a checkpoint reshards it as it does AdamW's moments). Newton–Schulz needs the
-whole matrix: the update is cast to bfloat16 (as Newton–Schulz's first step does anyway),
-all-gathered over the mesh dims that split a matrix (never over those that split the expert dim:
-a rank holds whole experts), orthogonalised on every rank, and each rank keeps its own slice. Every
-layout therefore applies the update one process computes.
+whole matrix: the update is cast to bfloat16 (as Newton–Schulz's first step does anyway), and
+each rank of the group that holds a matrix's pieces orthogonalises its share of the group's
+matrices whole, the pieces travelling to their owner and back (``orthogonalise.py``). A rank
+that holds whole matrices (split along the expert dim only, or not at all) orthogonalises them
+itself. Every layout therefore applies the update one process computes.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from parallel3d.base import ConfigError
 from parallel3d.optim.adamw import implementation_flags, named_decay_groups
+from parallel3d.optim.orthogonalise import SharedNewtonSchulz
 
 OPTIMIZERS = ("adamw", "muon")  # optim.name
 ADJUST_LR_FNS = ("original", "match_rms_adamw")  # optim.muon.adjust_lr_fn
@@ -114,10 +116,12 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)
+        self.orthogonaliser = SharedNewtonSchulz()  # keeps each group's exchange plan between steps
 
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "Muon takes no closure"
+        params, updates, groups = [], [], []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -125,62 +129,39 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:  # sharded like the parameter: DCP reshards it
                     state["momentum_buffer"] = torch.zeros_like(p)
-                _muon_update(p, p.grad, state["momentum_buffer"], group)
+                params.append(p)
+                groups.append(group)
+                updates.append(_momentum_update(p.grad, state["momentum_buffer"], group))
+
+        def orthogonalise(matrix: torch.Tensor, item: int) -> torch.Tensor:
+            g = groups[item]
+            return newton_schulz(matrix, g["ns_coefficients"], g["ns_steps"], g["eps"])
+
+        for p, ortho, group in zip(params, self.orthogonaliser(params, updates, orthogonalise), groups):
+            _apply_update(p, ortho, group)
 
 
-def _muon_update(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
-    """One parameter's step, in torch.optim.Muon's order of operations, on this rank's shard."""
-    local_param, local_grad, local_buf = (_local(t) for t in (param, grad, buf))
-    momentum, lr = group["momentum"], group["lr"]
+def _momentum_update(grad: torch.Tensor, buf: torch.Tensor, group: dict) -> torch.Tensor:
+    """The momentum step on this rank's shard, in torch.optim.Muon's order of operations, and the
+    update Newton–Schulz takes, cast to bfloat16 (its first step casts to it anyway: the exchange
+    moves half the bytes for the same result)."""
+    local_grad, local_buf = _local(grad), _local(buf)
+    momentum = group["momentum"]
     local_buf.lerp_(local_grad, 1 - momentum)
     update = local_grad.lerp(local_buf, momentum) if group["nesterov"] else local_buf
-    # Newton–Schulz starts by casting to bfloat16: gathering the cast halves the bytes, same result.
-    whole, placements = gather_matrices(update.bfloat16(), param)
-    ortho = keep_own_slice(_orthogonalise(whole, group), param, placements)
+    return update.bfloat16()
+
+
+def _apply_update(param: torch.Tensor, ortho: torch.Tensor, group: dict) -> None:
+    """Decoupled weight decay and the orthogonalised update, on this rank's shard."""
+    local_param, lr = _local(param), group["lr"]
     adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:])
     local_param.mul_(1 - lr * group["weight_decay"])
     local_param.add_(ortho, alpha=-adjusted_lr)
 
 
-def _orthogonalise(whole: torch.Tensor, group: dict) -> torch.Tensor:
-    """Newton–Schulz on each matrix of ``whole`` (one, or a stack of experts'; maybe none: FSDP
-    leaves a rank without experts when there are fewer than its ranks)."""
-    matrices = whole.reshape(-1, *whole.shape[-2:]).unbind()
-    if not matrices:
-        return whole
-    ortho = [newton_schulz(m, group["ns_coefficients"], group["ns_steps"], group["eps"]) for m in matrices]
-    return torch.stack(ortho).reshape(whole.shape)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def matrix_placements(param: torch.Tensor) -> list:
-    """The placements under which each rank holds whole matrices of ``param``: a split of a
-    leading (expert) dim stays, a split of either matrix dim becomes Replicate (a gather)."""
-    leading = param.ndim - 2
-    return [pl if isinstance(pl, Shard) and pl.dim < leading else Replicate() for pl in param.placements]
-
-
-def gather_matrices(update: torch.Tensor, param: torch.Tensor) -> tuple[torch.Tensor, list | None]:
-    """This rank's whole matrices of ``update`` (a local shard shaped like ``param``'s)."""
-    if not isinstance(param, DTensor):
-        return update, None
-    placements = matrix_placements(param)
-    if placements == list(param.placements):
-        return update, placements
-    sharded = DTensor.from_local(update, param.device_mesh, param.placements, shape=param.shape,
-                                 stride=param.stride())
-    return sharded.redistribute(placements=placements).to_local(), placements
-
-
-def keep_own_slice(ortho: torch.Tensor, param: torch.Tensor, placements: list | None) -> torch.Tensor:
-    """This rank's shard of the orthogonalised whole matrices (a local slice: no communication)."""
-    if placements is None or placements == list(param.placements):
-        return ortho
-    whole = DTensor.from_local(ortho, param.device_mesh, placements, shape=param.shape, stride=param.stride())
-    return whole.redistribute(placements=param.placements).to_local()
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int,

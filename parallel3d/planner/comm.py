@@ -54,22 +54,28 @@ When the code communicates (see ``parallel/data.py`` and torch's pipelining stag
   the ranks swap their counts per expert (int64, all-to-all); the aux loss sums each sequence's
   expert counts over cp x tp (b·experts float32, an all-reduce per MoE block forward).
 * Muon (``optim.name=muon``), once per optimizer step: each block matrix that FSDP or tp splits
-  is all-gathered in bfloat16 to be orthogonalised whole, over tp (the pieces of the FSDP shard)
-  and then over the data-parallel shards; stacked experts are split along the expert dim only
-  and need nothing.
+  is orthogonalised whole by one rank of the group that holds its pieces (FSDP's data-parallel
+  shards, tp's, or both: group ``dp_shard_tp`` and the like): one all-to-all in bfloat16 sends
+  every piece to its matrix's owner, one sends the results' pieces back; stacked experts are
+  split along the expert dim only and need nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from parallel3d.optim.orthogonalise import held_piece, owners
 from parallel3d.planner.activations import Geometry, checkpointed
 from parallel3d.planner.layout import MASTER_BYTES, Layout, ModelShape, Stage, embedding_param
 from parallel3d.planner.memory import NS_BYTES, expert_local_shape, param_state, tp_local_shape
 
 GROUPS = ("dp", "dp_shard", "dp_replicate", "tp", "pp", "cp", "dp_cp", "dp_shard_cp", "cp_tp", "ep", "expert_dp",
-          "ft")
+          "ft", "dp_tp", "dp_cp_tp", "dp_shard_tp", "dp_shard_cp_tp")  # dp_tp ...: Muon's holders of FSDP x tp pieces
 
 
 def ring(kind: str, total_bytes: float, n: int) -> float:
@@ -134,28 +140,56 @@ def stage_traffic(model: ModelShape, stages: list[Stage], layout: Layout) -> dic
     if model.aux_loss and layout.cp * layout.tp > 1:
         _aux_loss_counts(out, model, stages, layout)
     if layout.optimizer == "muon":
-        _muon_gathers(out, model, stages, layout)
+        _muon_exchange(out, model, stages, layout)
     return {group: dict(kinds) for group, kinds in out.items() if any(kinds.values())}
 
 
-def _muon_gathers(out: dict, model: ModelShape, stages: list[Stage], layout: Layout) -> None:
-    """Muon's step gathers each block matrix that data or tensor parallelism splits, in bfloat16
-    (``parallel3d.optim.muon``), in the order DTensor's redistribution takes: a row-parallel matrix
-    (tp splits dim 1) gathers its tp pieces first, then the data-parallel shards of the whole; a
-    column-parallel one (FSDP and tp both split dim 0) the data-parallel shards of its tp piece
-    first, then the tp pieces. Stacked experts are split along the expert dim only (whole
-    matrices on every rank): none."""
-    n, group = layout.shards, data_parallel_group(layout)
+def _muon_exchange(out: dict, model: ModelShape, stages: list[Stage], layout: Layout) -> None:
+    """Muon's step (``parallel3d.optim.orthogonalise``): each block matrix that data or tensor
+    parallelism splits goes, in bfloat16, to the rank of its pieces' holders that orthogonalises
+    it, and comes back: per group of holders, one all-to-all of every rank's pieces and one of
+    each owner's whole matrices. Counted for the busiest holder (owners' shares differ by their
+    matrices). Stacked experts are split along the expert dim only (whole matrices on every
+    rank): none."""
+    groups: dict[str, list[tuple[tuple[int, int], list[int], int]]] = defaultdict(list)
     for stage in stages:
         for spec, count in stage.counted_params(model):
             if not spec.muon or spec.expert:
                 continue
-            shape = tp_local_shape(spec, layout.tp)
-            local = -(-shape[0] // n) * math.prod(shape[1:]) * NS_BYTES  # this rank's shard (FSDP pads dim 0)
-            tp = layout.tp if spec.tp_dim is not None else 1
-            dp_first = spec.tp_dim == 0
-            out[group]["all_gather"] += count * ring("all_gather", local * n * (1 if dp_first else tp), n)
-            out["tp"]["all_gather"] += count * ring("all_gather", local * tp * (n if dp_first else 1), tp)
+            group, mesh_shape, placements = _muon_holders(spec, layout)
+            if math.prod(mesh_shape) > 1:
+                members = itertools.product(*(range(n) for n in mesh_shape))
+                pieces = [math.prod(sum(b - a for a, b in runs) for runs in held_piece(spec.shape, placements,
+                                                                                      mesh_shape, at))
+                          for at in members]
+                groups[group].append((spec.shape, pieces, count))
+    for group, matrices in groups.items():
+        shapes = [shape for shape, _, count in matrices for _ in range(count)]
+        n = len(matrices[0][1])
+        owned = [0] * n
+        for shape, owner in zip(shapes, owners(shapes, n)):
+            owned[owner] += math.prod(shape)
+        sent = [ring("all_to_all", NS_BYTES * sum(count * pieces[g] for _, pieces, count in matrices), n)
+                + ring("all_to_all", NS_BYTES * owned[g], n) for g in range(n)]
+        out[group]["all_to_all"] += max(sent)
+
+
+def _muon_holders(spec, layout: Layout) -> tuple[str, tuple[int, ...], list]:
+    """The group holding a block matrix's pieces (named as the mesh dims it spans), its shape and
+    the matrix's placements over it, as FSDP and tensor parallelism place it: FSDP's dim-0 shards
+    (strided within a tp split of dim 0: FSDP shards the tp-local matrix), tp's split."""
+    n = layout.shards
+    t = layout.tp if spec.tp_dim is not None else 1
+    names, mesh_shape, placements = [], [], []
+    if n > 1:
+        names.append(data_parallel_group(layout))
+        mesh_shape.append(n)
+        placements.append(_StridedShard(0, split_factor=t) if t > 1 and spec.tp_dim == 0 else Shard(0))
+    if t > 1:
+        names.append("tp")
+        mesh_shape.append(t)
+        placements.append(Shard(spec.tp_dim))
+    return "_".join(names), tuple(mesh_shape), placements
 
 
 def data_parallel_group(layout: Layout) -> str:

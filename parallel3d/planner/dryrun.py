@@ -63,6 +63,7 @@ from parallel3d.config.schema import Config
 from parallel3d.observe.metrics import model_state_bytes
 from parallel3d.optim.adamw import init_optimizer_state
 from parallel3d.parallel.mesh import Meshes, ParallelDims
+from parallel3d.planner.comm import GROUPS
 from parallel3d.step import build_setup, train_step
 from parallel3d.validate import check
 
@@ -123,6 +124,13 @@ class CommRecorder(TorchDispatchMode):
             self._record(func.namespace, name, args, out)
         return out
 
+    def _dim(self, group: dist.ProcessGroup) -> str:
+        """The mesh dim(s) ``group`` spans: a mesh's own group, or one made later for mesh dims
+        together (Muon's holders of FSDP x tp pieces) and described by their planner name."""
+        if group.group_name in self.dim_of_group:
+            return self.dim_of_group[group.group_name]
+        return group.group_desc if group.group_desc in GROUPS else f"group {group.group_name}"
+
     def _record(self, namespace: str, name: str, args, out) -> None:
         kind = next((k for fragment, k in KINDS if fragment in name), name)
         if namespace == "c10d":  # (outputs, inputs, group, ...) or (tensors, group, reduce op, ...)
@@ -134,7 +142,7 @@ class CommRecorder(TorchDispatchMode):
         nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(payload) if isinstance(t, torch.Tensor))
         n = group.size()
         factor = RING_FACTOR.get(kind, 1.0)
-        stat = self.stats[self.dim_of_group.get(group.group_name, f"group {group.group_name}")][kind]
+        stat = self.stats[self._dim(group)][kind]
         stat.group_size = n
         stat.calls += 1
         stat.bytes += nbytes

@@ -122,7 +122,7 @@ class Layout(ParallelDims):
     document_masking: bool = False  # data.document_masking: attention keeps a (b, 1, s, s) mask
     reset_positions: bool = False  # data.reset_positions: each block gathers per-token RoPE tables
     ep: int = 1  # expert parallelism: experts split over ep ranks of dp_shard x cp x tp, sharded over the rest
-    optimizer: str = "adamw"  # optim.name: muon keeps one state tensor per block matrix, and gathers it
+    optimizer: str = "adamw"  # optim.name: muon keeps one state tensor per block matrix; shares Newton–Schulz out
     # ft.enabled: replica groups (this layout is one group's, its share of the global batch) whose
     # gradients are all-reduced across the groups every step, after the group's own reduction
     ft_replicas: int = 1

@@ -31,7 +31,7 @@ from parallel3d.planner.layout import MASTER_BYTES, Layout, ModelShape, ParamSpe
 ADAM_STEP_BYTES = 4  # AdamW's per-parameter ``step``: a float32 scalar tensor (torch.optim._get_scalar_dtype)
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq
 MUON_MOMENTS = 1  # momentum_buffer
-NS_BYTES = 2  # Muon's Newton–Schulz runs (and its gather moves the update) in bfloat16
+NS_BYTES = 2  # Muon's Newton–Schulz runs (and its exchange moves the update) in bfloat16
 
 
 def chunk_rows(rows: int, n: int, rank: int) -> int:
@@ -164,14 +164,17 @@ def transient_bytes(model: ModelShape, stages: list[Stage], layout: Layout, bloc
 
 
 def muon_step_bytes(model: ModelShape, stages: list[Stage], layout: Layout) -> int:
-    """Muon's optimizer step, one matrix at a time: the whole matrix gathered in bfloat16, and
-    Newton–Schulz's iterate, its Gram matrix and their products (``parallel3d.optim.muon``), for the
-    largest of the stages' block matrices; 0 under AdamW."""
+    """Muon's optimizer step (``parallel3d.optim.orthogonalise``), in bfloat16: every matrix's
+    local update, the pieces on their way to the owners, the matrices an owner receives (its share,
+    about what it holds), the results with their pieces on the way back and as they land (five
+    times this rank's Muon elements), and Newton–Schulz's iterate, its Gram matrix and their
+    products for the largest block matrix; 0 under AdamW."""
     if layout.optimizer != "muon":
         return 0
-    shapes = [spec.shape[-2:] for s in stages for spec, _ in s.counted_params(model) if spec.muon]
-    if not shapes:
+    muon = [(spec, count) for s in stages for spec, count in s.counted_params(model) if spec.muon and spec.trainable]
+    if not muon:
         return 0
-    rows, cols = max(shapes, key=lambda shape: shape[0] * shape[1])
+    local = sum(count * param_state(spec, layout).param_bytes // MASTER_BYTES for spec, count in muon)
+    rows, cols = max((spec.shape[-2:] for spec, _ in muon), key=lambda shape: shape[0] * shape[1])
     small = min(rows, cols)
-    return NS_BYTES * (3 * rows * cols + 3 * small * small)
+    return NS_BYTES * (5 * local + 3 * rows * cols + 3 * small * small)

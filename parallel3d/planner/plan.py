@@ -38,10 +38,12 @@ def group_spans(layout: Layout) -> dict[str, int]:
     dp_shard, cp, tp), tp innermost, so tp groups are neighbours and pp groups span the world; ep
     groups are ep consecutive ranks of dp_shard x cp x tp (``mesh.build_mesh``)."""
     t, tc = layout.tp, layout.tp * layout.cp
-    return {"tp": t, "cp": tc, "dp_shard": tc * layout.dp_shard, "dp_shard_cp": tc * layout.dp_shard,
-            "dp": tc * layout.dp, "dp_cp": tc * layout.dp, "dp_replicate": tc * layout.dp, "pp": layout.world_size,
-            "ep": layout.ep, "expert_dp": tc * layout.dp,
-            "ft": layout.world_size * layout.ft_replicas}  # one rank of each replica group: other jobs, other nodes
+    spans = {"tp": t, "cp": tc, "cp_tp": tc, "dp_shard": tc * layout.dp_shard, "dp_shard_cp": tc * layout.dp_shard,
+             "dp": tc * layout.dp, "dp_cp": tc * layout.dp, "dp_replicate": tc * layout.dp, "pp": layout.world_size,
+             "ep": layout.ep, "expert_dp": tc * layout.dp,
+             "ft": layout.world_size * layout.ft_replicas}  # one rank of each replica group: other jobs, other nodes
+    # Muon's holders of FSDP x tp pieces (``planner/comm.py``): the data-parallel group's ranks with their tp ranks
+    return spans | {f"{group}_tp": spans[group] for group in ("dp", "dp_cp", "dp_shard", "dp_shard_cp")}
 
 
 @dataclass
@@ -199,7 +201,8 @@ def step_time(model: ModelShape, layout: Layout, plan: Plan, hw: Hardware) -> St
     cannot hide behind compute: tensor- and pipeline-parallel traffic is on the critical path;
     FSDP's per-micro-batch gathers and reductions overlap with compute (prefetch), while gradient
     reductions at the end of a step (DDP, ZeRO-1, any reduction under pipelining) overlap with at
-    most the last micro batch's backward, and ZeRO-1's parameter all-gather with nothing."""
+    most the last micro batch's backward, and ZeRO-1's parameter all-gather and Muon's exchange
+    with nothing."""
     world = layout.world_size
     recomputed = sum(1 for layer in range(model.n_layers) if checkpointed(layer, layout) == "full")
     per_token = flops_per_token(model, layout.seq_len)
@@ -215,8 +218,11 @@ def step_time(model: ModelShape, layout: Layout, plan: Plan, hw: Hardware) -> St
     overlapped, end_of_step, exposed = 0.0, 0.0, 0.0
     for group, kinds in times.items():
         for kind, seconds in kinds.items():
-            if group in ("tp", "pp", "cp") or (group in ("dp", "dp_cp") and kind == "all_gather"):
-                exposed += seconds  # cp: attention waits for its all-to-alls / each ring hop
+            if group in ("tp", "pp", "cp", "cp_tp") or (group in ("dp", "dp_cp") and kind == "all_gather") \
+                    or (kind == "all_to_all" and group != "ep"):
+                # cp: attention waits for its all-to-alls / each ring hop; Muon's exchange (an
+                # all-to-all in a data-parallel group) runs between backward and the update
+                exposed += seconds
             elif group in ("dp_shard", "dp_shard_cp", "dp_replicate") and (layout.pp == 1 or kind == "all_gather"):
                 overlapped += seconds
             else:
