@@ -24,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import CheckpointException
 
 from parallel3d.base import ConfigError, rank, world_size_from_env
-from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState, full_model_state
+from parallel3d.checkpoint.checkpointer import Checkpointer, full_model_state
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
                                           report_changes, verify_init_from)
 from parallel3d.config import hf_folder

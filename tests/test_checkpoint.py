@@ -22,9 +22,12 @@ from conftest import FAST, Run, assert_matches, launch, launch_batch, relative_e
 from parity_tolerance import Tolerance
 
 import parallel3d.checkpoint.checkpointer as checkpoint_module
+import parallel3d.checkpoint.commit as commit_module
 import parallel3d.checkpoint.manifest as manifest_module
 from parallel3d.base import RunError
-from parallel3d.checkpoint.checkpointer import COMPLETE, Checkpointer, TrainState, complete_steps, find_checkpoint
+from parallel3d.checkpoint.checkpointer import Checkpointer
+from parallel3d.checkpoint.commit import COMPLETE, complete_steps, find_checkpoint
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.errors import CheckpointError
 from parallel3d.checkpoint.manifest import read_manifest
 from parallel3d.checkpoint.resume import pick_checkpoint
@@ -295,7 +298,7 @@ def _saves_on_two_ranks(rank: int, folder: Path) -> None:
     polls, error = 0, None
     for step in (2, 3):
         if step == 3 and rank == 0:  # rank 0's meta.json write fails: rank 1's commit has nothing to fail
-            checkpoint_module._write_atomic = lambda path, text: (_ for _ in ()).throw(OSError(5, "injected", path))
+            commit_module.write_atomic = lambda path, text: (_ for _ in ()).throw(OSError(5, "injected", path))
         ckpt.save(step, state, {"samples_seen": 0}, "")
         try:
             while ckpt._pending is not None:
@@ -349,7 +352,7 @@ def test_resume_takes_a_step_folder_a_checkpoints_folder_or_a_run_dir(tmp_path):
 def test_optimizer_state_is_named_by_parameter_whatever_the_group_order():
     """AdamW's no-decay group (the norms) comes after the decay group, unlike the model's order:
     each saved moment must still carry its own parameter's name and shape."""
-    from parallel3d.checkpoint.checkpointer import state_dict
+    from parallel3d.checkpoint.state import state_dict
     from parallel3d.optim.adamw import build_optimizer, init_optimizer_state
 
     model = Transformer(ModelConfig(n_layers=2))

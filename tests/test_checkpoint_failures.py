@@ -19,7 +19,9 @@ from conftest import FAST, Run, launch, launch_batch
 from safetensors.torch import load_file
 
 from parallel3d.base import RunError
-from parallel3d.checkpoint.checkpointer import COMPLETE, Checkpointer, TrainState, complete_steps
+from parallel3d.checkpoint.checkpointer import Checkpointer
+from parallel3d.checkpoint.commit import COMPLETE, complete_steps
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors
 from parallel3d.checkpoint.manifest import MANIFEST, read_manifest
 from parallel3d.checkpoint.resume import checkpoint_problem, pick_checkpoint, verify_init_from

@@ -14,7 +14,8 @@ from hf_files import tiny_qwen3, token_batch
 from omegaconf import OmegaConf
 
 from parallel3d.base import ConfigError
-from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.config.compose import compose, user_set_keys
 from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_hash

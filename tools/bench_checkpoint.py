@@ -28,7 +28,9 @@ from pathlib import Path
 from bench_common import heading
 
 from parallel3d.checkpoint import checkpointer as checkpoint_module
-from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+from parallel3d.checkpoint import commit as commit_module
+from parallel3d.checkpoint.checkpointer import Checkpointer
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.resume import pick_checkpoint
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
@@ -64,16 +66,16 @@ def evict(folder: Path) -> None:
 def measure(state: TrainState, folder: Path, repeats: int) -> dict:
     times: dict = {}
     checkpointer = Checkpointer(folder, CheckpointConfig(keep_last=1))
-    real = checkpoint_module.write_manifest, checkpoint_module.verify_manifest, checkpoint_module.file_entries
+    real = commit_module.write_manifest, commit_module.verify_manifest, checkpoint_module.file_entries
     for repeat in range(repeats):
         for manifest in ((True, False) if repeat % 2 == 0 else (False, True)):
             if not manifest:  # nothing hashed, no manifest written, none checked before keep_last removes the older one
-                checkpoint_module.write_manifest = checkpoint_module.verify_manifest = lambda *a, **k: None
+                commit_module.write_manifest = commit_module.verify_manifest = lambda *a, **k: None
                 checkpoint_module.file_entries = lambda *a, **k: {}
             try:
                 seconds = timed(lambda: checkpointer.save(repeat, state, {"samples_seen": 0}, ""))
             finally:
-                (checkpoint_module.write_manifest, checkpoint_module.verify_manifest,
+                (commit_module.write_manifest, commit_module.verify_manifest,
                  checkpoint_module.file_entries) = real
             times.setdefault(("save", manifest), []).append(seconds)
     checkpointer.save(repeats, state, {"samples_seen": 0}, "")  # with its manifest: the one loaded

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from parallel3d.base import ConfigError
-from parallel3d.checkpoint.checkpointer import find_checkpoint
+from parallel3d.checkpoint.commit import find_checkpoint
 from parallel3d.checkpoint.manifest import VERIFY_MODES
 from parallel3d.config import hf_folder
 

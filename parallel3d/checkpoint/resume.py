@@ -21,7 +21,7 @@ import torch.distributed as dist
 import yaml
 
 from parallel3d.base import ConfigError, RunError
-from parallel3d.checkpoint.checkpointer import COMPLETE, META, complete_steps, find_checkpoint
+from parallel3d.checkpoint.commit import COMPLETE, META, complete_steps, find_checkpoint
 from parallel3d.checkpoint.errors import CheckpointError, failure_line
 from parallel3d.checkpoint.manifest import MANIFEST, ManifestMissing, first_problem, gathered, share_problem
 from parallel3d.data.tokenizer import tokenizer_hash
