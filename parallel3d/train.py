@@ -26,11 +26,9 @@ from torch.distributed.checkpoint import CheckpointException
 from parallel3d.base import ConfigError, rank, world_size_from_env
 from parallel3d.checkpoint.checkpointer import Checkpointer, full_model_state
 from parallel3d.checkpoint.state import TrainState
-from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
-                                          report_changes, verify_init_from)
-from parallel3d.config import hf_folder
+from parallel3d.checkpoint.resume import pick_checkpoint, restore
 from parallel3d.config.compose import CONF_DIR, register_configs, user_set_keys
-from parallel3d.config.hf_folder import apply_hf_folder, loaded_line
+from parallel3d.config.hf_folder import apply_hf_folder
 from parallel3d.config.schema import Config
 from parallel3d.config.strict import RecipeError
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data
@@ -86,7 +84,9 @@ def train(cfg: DictConfig) -> Path:
     checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=c.train.dist_timeout_s), progress=progress)
     state = TrainState(setup.parts, setup.optimizer, setup.scheduler)
     guard = BadStepGuard.for_run(c.train, c.debug)
-    start_step, data_offset = restore(checkpointer, state, c, is_rank0, config_yaml, guard)
+    start = restore(checkpointer=checkpointer, state=state, c=c, announce=is_rank0, config_yaml=config_yaml)
+    guard.load_state_dict(start.guard)
+    start_step, data_offset = start.step, start.data_offset
     if c.checkpoint.create_seed:
         save_seed(checkpointer, setup, config_yaml, is_rank0)
         return run_dir
@@ -283,43 +283,6 @@ class TrainLoop:
         self.batches = Prefetcher(self.sampler, to_step + 1, c.train.steps)
         return to_step
 
-
-
-def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool,
-            config_yaml: str, guard: BadStepGuard) -> tuple[int, int]:
-    """Resume (or load initial weights) as checkpoint.* says: the step done, and the data offset
-    (which includes any data a rollback skipped). ``guard`` gets the saved bad-step counts."""
-    for path in checkpointer.remove_incomplete():
-        print(f"parallel3d: removed incomplete checkpoint {path} (a save that did not finish)", flush=True)
-    path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=is_rank0, verify=c.checkpoint.verify)
-    if path is not None:
-        step = check_not_past_end(path, c.train.steps)
-        check_tokenizer(path, c.data, announce=is_rank0)
-        if is_rank0:
-            report_changes(path, config_yaml)
-        meta = checkpointer.load(path, state)
-        if is_rank0:
-            print(f"parallel3d: resumed from {path} (saved at {meta['layout']})", flush=True)
-            if step == c.train.steps:
-                print(f"parallel3d: {path.name} is at train.steps={step}: the run is complete, nothing to train "
-                      f"(raise train.steps to continue it; to evaluate it: parallel3d-evaluate {path} "
-                      f"eval.sources=[...])", flush=True)
-        if meta["model_only"]:  # a seed checkpoint: its weights, then a fresh start
-            return 0, 0
-        guard.load_state_dict(meta.get("guard", {}))
-        return meta["step"], meta["samples_seen"] - meta["step"] * c.train.global_batch_size
-    if c.checkpoint.init_from:
-        init_from = Path(c.checkpoint.init_from).expanduser()
-        if hf_folder.is_hf_dir(init_from):
-            check_hf_weights(init_from)
-        else:
-            verify_init_from(init_from, c.checkpoint.verify, announce=is_rank0)
-        checkpointer.load_weights(init_from, state, c.model)
-        if is_rank0 and hf_folder.is_hf_dir(init_from):
-            with torch.device("meta"):
-                size = num_params(Transformer(c.model))
-            print(loaded_line(init_from, n_params=size, tokenizer=c.data.tokenizer), flush=True)
-    return 0, 0
 
 
 def command_line() -> list[str]:

@@ -24,7 +24,8 @@ from parallel3d.checkpoint.commit import COMPLETE, complete_steps
 from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors
 from parallel3d.checkpoint.manifest import MANIFEST, read_manifest
-from parallel3d.checkpoint.resume import checkpoint_problem, pick_checkpoint, verify_init_from
+from parallel3d.checkpoint.resume import pick_checkpoint, verify_init_from
+from parallel3d.checkpoint.verify import checkpoint_problem
 from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.models import Transformer
 from parallel3d.runtime.failures import report_failure

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from parallel3d.base import ConfigError, RunError
-from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, checkpoint_problem, config_changes,
-                                          pick_checkpoint)
+from parallel3d.checkpoint.resume import check_not_past_end, config_changes, pick_checkpoint
+from parallel3d.checkpoint.verify import check_hf_weights, checkpoint_problem
 from parallel3d.config.schema import OptimConfig
 from parallel3d.optim.schedule import build_lr_scheduler, lr_factor, set_schedule_step
 
