@@ -26,7 +26,7 @@ import json
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterable
 
 import torch.distributed as dist
@@ -114,15 +114,45 @@ def write_manifest(folder: Path, files: Iterable[str | Path], *, entries: dict[s
 
 
 def read_manifest(folder: Path) -> dict:
-    """The manifest of ``folder``; ManifestMissing when there is none, ValueError when it is corrupt."""
+    """The manifest of ``folder``; ManifestMissing when there is none, ValueError when it is corrupt
+    or hostile: only what this version writes is taken (its format, checksum and block size, every
+    entry a size and its blocks' hashes, every name a file inside ``folder``), so verifying it
+    costs what the files cost and never reads outside the folder."""
     path = Path(folder) / MANIFEST
     try:
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes, more than any manifest this version writes")
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise ManifestMissing(f"{path} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 ({e.reason})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise ValueError(f"{path} has no files table")
+    for key, wanted in (("format", _FORMAT), ("checksum", CHECKSUM), ("block_bytes", BLOCK)):
+        if manifest.get(key) != wanted or type(manifest.get(key)) is not type(wanted):
+            raise ValueError(f"{key} {manifest.get(key)!r}: this version writes {wanted!r}")
+    inside = Path(folder).resolve()
+    for name, entry in manifest["files"].items():
+        _check_entry(inside, name, entry)
     return manifest
+
+
+MAX_MANIFEST_BYTES = 64 << 20  # a real one lists a few hundred bytes a file
+
+
+def _check_entry(inside: Path, name: str, entry) -> None:
+    """One file's entry: a relative name that stays inside the folder, a size, a hash per block."""
+    parts = PurePosixPath(name).parts
+    if not name or "\\" in name or PurePosixPath(name).is_absolute() or any(p in ("..", ".") for p in parts) \
+            or not (inside / name).resolve().is_relative_to(inside):
+        raise ValueError(f"entry {name!r} names a file outside the folder")
+    if not isinstance(entry, dict) or type(entry.get("size")) is not int or entry["size"] < 0:
+        raise ValueError(f"entry {name!r} has no size")
+    hashes = entry.get(CHECKSUM)
+    if not isinstance(hashes, list) or len(hashes) != max(1, -(-entry["size"] // BLOCK)) \
+            or not all(isinstance(h, str) for h in hashes):
+        raise ValueError(f"entry {name!r} does not have one {CHECKSUM} hash per {BLOCK}-byte block")
 
 
 def gathered(value, group) -> list:
@@ -166,7 +196,7 @@ def share_problem(folder: Path, mode: str, *, ignore: Iterable[str] = (), share:
     folder, (index, count) = Path(folder), share
     try:
         manifest = read_manifest(folder)
-        listed, block = manifest["files"], manifest.get("block_bytes", BLOCK)
+        listed, block = manifest["files"], manifest["block_bytes"]
     except ManifestMissing:
         return NO_MANIFEST
     except (ValueError, OSError) as e:
@@ -206,9 +236,7 @@ def _unlisted(folder: Path, listed: dict, patterns: tuple[str, ...]) -> tuple | 
 
 
 def _checksum_problem(folder: Path, manifest: dict, blocks: list[tuple[str, int]]) -> tuple | None:
-    if manifest.get("checksum") != CHECKSUM:
-        return 3, "", 0, f"{folder / MANIFEST}: unknown checksum {manifest.get('checksum')!r} (expected {CHECKSUM})"
-    listed, block = manifest["files"], manifest.get("block_bytes", BLOCK)
+    listed, block = manifest["files"], manifest["block_bytes"]
     for (name, start), got in zip(blocks, _hash_blocks(folder, blocks, block)):
         wanted = listed[name][CHECKSUM]
         want = wanted[start // block] if start // block < len(wanted) else None
