@@ -145,6 +145,63 @@ def test_a_diverging_run_saves_no_non_finite_checkpoint(runs_root):
         assert all(torch.isfinite(t).all() for t in load_file(str(shard)).values())
 
 
+# -- the structure, at every verify level (unit checks on copies of the saved run) -------------
+
+
+def _without_world_size(d: Path) -> None:  # a meta.json that cannot say how many ranks saved
+    meta = json.loads((d / "meta.json").read_text())
+    del meta["world_size"], meta["manifest"]
+    (d / "meta.json").write_text(json.dumps(meta))
+
+
+# case: (damage to a copy of step_4, verify levels, what the line says)
+STRUCTURE = {
+    "rank0 shard and manifest gone": ((lambda d: (_shard(d, 0).unlink(), (d / MANIFEST).unlink())),
+                                      ("checksum", "size", "none"), "shard-00001-*.safetensors is missing: rank 0"),
+    "rank1 shard gone, verify none": (lambda d: _shard(d, 1).unlink(), ("none",),
+                                      "shard-00002-*.safetensors is missing: rank 1"),
+    "rank0 shard gone, no world size": ((lambda d: (_shard(d, 0).unlink(), (d / MANIFEST).unlink(),
+                                                    _without_world_size(d))),
+                                        ("none",), "elements of layers.0.attention.wk.weight: a rank's shard-*"),
+    "an rng file gone, verify none": (lambda d: (d / "rng" / "rank_1.safetensors").unlink(), ("none",),
+                                      "rng/rank_1.safetensors is missing"),
+    "manifest gone": (lambda d: (d / MANIFEST).unlink(), ("checksum", "size"),
+                      "manifest.json is missing, but its meta.json says it was saved with one"),
+    "config unparsable, verify none": (lambda d: (d / "config.yaml").write_text("model: [\n"), ("none",),
+                                       "config.yaml is unreadable"),
+    "config emptied": (lambda d: (d / "config.yaml").write_text(""), ("checksum", "size"), "config.yaml: size 0"),
+    "config deleted": (lambda d: (d / "config.yaml").unlink(), ("checksum", "size"), "config.yaml is missing"),
+    "config edited in place": (lambda d: (d / "config.yaml").write_text(re.sub(
+        r"n_layers: \d", "n_layers: 7", (d / "config.yaml").read_text())), ("checksum",), "config.yaml: checksum mis"),
+    "tiny manifest blocks": (lambda d: _edit_manifest(d, block_bytes=1), ("checksum", "size"),
+                             "manifest.json is unreadable (block_bytes 1"),
+    "manifest names a file outside": (lambda d: _edit_manifest(d, files={
+        **json.loads((d / MANIFEST).read_text())["files"], "../../outside.bin": {"size": 1, "xxh3_64": ["0"]}}),
+        ("checksum", "size"), "manifest.json is unreadable (entry '../../outside.bin' names a file outside"),
+}
+
+
+def _edit_manifest(d: Path, **changes) -> None:
+    manifest = json.loads((d / MANIFEST).read_text())
+    (d / MANIFEST).write_text(json.dumps({**manifest, **changes}))
+
+
+@pytest.mark.multirank  # the 2-rank run its copies come from
+@pytest.mark.parametrize("case", list(STRUCTURE))
+def test_a_checkpoint_is_used_only_when_whole_at_every_verify_level(saved, tmp_path, case):
+    """Each damage falls back to step_2 at each level it names, with one line naming it."""
+    damage, levels, said = STRUCTURE[case]
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        shutil.copytree(saved.run_dir / "checkpoints" / f"step_{step}", root / f"step_{step}")
+    damage(root / "step_4")
+    for verify in levels:
+        assert said in (checkpoint_problem(root / "step_4", verify) or ""), (verify, checkpoint_problem(root / "step_4",
+                                                                                                         verify))
+        assert checkpoint_problem(root / "step_2", verify) is None
+        assert pick_checkpoint(root, "auto", announce=False, verify=verify) == root / "step_2"
+
+
 # -- in one process ------------------------------------------------------------------------
 
 
@@ -165,10 +222,18 @@ def test_a_save_commits_a_manifest_of_every_file(tmp_path):
     assert checkpoint_problem(step1) is None
 
 
-def test_a_checkpoint_without_a_manifest_loads_with_a_warning(tmp_path, capsys):
+def test_a_checkpoint_without_a_manifest_loads_with_a_warning_only_if_saved_before_manifests(tmp_path, capsys):
     Checkpointer(tmp_path, CheckpointConfig()).save(1, _state(), {"samples_seen": 0}, "")
-    (tmp_path / "checkpoints" / "step_1" / MANIFEST).unlink()
-    assert pick_checkpoint(tmp_path / "checkpoints", "auto", announce=True) == tmp_path / "checkpoints" / "step_1"
+    step1 = tmp_path / "checkpoints" / "step_1"
+    (step1 / MANIFEST).unlink()  # saved with one (meta.json says so), then lost: damaged at every level but none
+    for verify in ("checksum", "size"):
+        with pytest.raises(CheckpointError, match=rf"newest: {step1 / MANIFEST} is missing, but its meta.json says "
+                                                  r"it was saved with one"):
+            pick_checkpoint(tmp_path / "checkpoints", "auto", announce=False, verify=verify)
+    meta = json.loads((step1 / "meta.json").read_text())
+    del meta["manifest"]  # as a checkpoint saved before manifests existed
+    (step1 / "meta.json").write_text(json.dumps(meta))
+    assert pick_checkpoint(tmp_path / "checkpoints", "auto", announce=True) == step1
     assert "has no manifest.json (written before checkpoints had manifests)" in capsys.readouterr().err
 
 

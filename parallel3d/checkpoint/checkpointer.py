@@ -42,7 +42,7 @@ from parallel3d.checkpoint import commit as protocol
 from parallel3d.checkpoint.commit import COMPLETE, META, complete_steps
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.checkpoint.init_from import load_initial_weights
-from parallel3d.checkpoint.manifest import file_entries
+from parallel3d.checkpoint.manifest import MANIFEST, file_entries
 from parallel3d.checkpoint.state import (TrainState, finish_load, model_targets, optimizer_entries, scheduler_state,
                                          state_dict)
 from parallel3d.config.schema import CheckpointConfig
@@ -73,13 +73,6 @@ class Checkpointer:
         if self.group is not None:
             dist.barrier(group=self.group)
 
-    def remove_incomplete(self) -> list[Path]:
-        """Partial checkpoints left by a kill: never loaded, removed before this run saves.
-        Returns them (on rank 0) for the run to report."""
-        removed = protocol.remove_incomplete(self.root) if self.rank == 0 else []
-        self._barrier()
-        return removed
-
     # -- saving ---------------------------------------------------------------------------
 
     def save(self, step: int, state: TrainState, meta: dict, config_yaml: str) -> None:
@@ -92,8 +85,9 @@ class Checkpointer:
         self.progress.saving(path.name)
         self._agree(path, lambda: self._prepare(path, config_yaml))
         self._agree(path, lambda: self._save_rng(path))
+        # "manifest": saved with one, so a copy that lost it is damaged, not a checkpoint from before manifests.
         meta = {**meta, "step": step, "world_size": self.world_size, "model_only": state.optimizer is None,
-                "scheduler": scheduler_state(state.scheduler)}
+                "scheduler": scheduler_state(state.scheduler), "manifest": MANIFEST}
         writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
         with self._discarded_on_failure(path):
             if self.cfg.async_save:

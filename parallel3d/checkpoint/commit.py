@@ -2,8 +2,9 @@
 
 A save writes every rank's files, then rank 0 writes ``meta.json``, the manifest (every file's
 size and hashes) and last the empty ``COMPLETE`` marker, each atomically (a temporary name, fsync,
-rename). Only a folder with its marker is a checkpoint; ``keep_last`` removes older ones only
-once the new one is committed and its files match the manifest, each marker first.
+rename). Only a folder with its marker is loaded; ``keep_last`` removes older ones only once the
+new one is committed and its files match the manifest, each marker first. A folder found without
+its marker is settled at the next start by checkpoint/unfinished.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from parallel3d.checkpoint.errors import CheckpointError
-from parallel3d.checkpoint.manifest import verify_manifest, write_manifest
+from parallel3d.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
 
 COMPLETE, META = "COMPLETE", "meta.json"
 SHARD = "shard-{:05d}-"  # the start of rank r's file name: DCP's HuggingFaceStorageWriter numbers them r + 1
@@ -67,21 +68,12 @@ def rotate(path: Path, keep_last: int) -> None:
             remove_checkpoint(path.parent / f"step_{old}")
 
 
-def remove_incomplete(root: Path) -> list[Path]:
-    """Partial checkpoints left by a kill under ``root``: never loaded, removed. Returns them."""
-    removed = []
-    if root.is_dir():
-        for path in sorted(root.iterdir()):
-            if STEP_DIR.match(path.name) and not (path / COMPLETE).is_file():
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
-
-
 def remove_checkpoint(path: Path) -> None:
-    """Delete checkpoint ``path``, its COMPLETE marker first (made durable): a kill in the middle
-    leaves an incomplete folder, removed at the next start, never a complete one with files missing."""
+    """Delete checkpoint ``path``, its COMPLETE marker first, then its manifest (made durable): a
+    kill in the middle leaves a folder whose meta.json promises a manifest it lacks, removed at the
+    next start (checkpoint/unfinished.py), never a complete one with files missing."""
     (path / COMPLETE).unlink(missing_ok=True)
+    (path / MANIFEST).unlink(missing_ok=True)
     folder = os.open(path, os.O_RDONLY)
     try:
         os.fsync(folder)

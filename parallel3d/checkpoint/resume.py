@@ -26,6 +26,7 @@ from parallel3d.checkpoint.commit import META, complete_steps, find_checkpoint
 from parallel3d.checkpoint.errors import CheckpointError, failure_line
 from parallel3d.checkpoint.manifest import MANIFEST, gathered
 from parallel3d.checkpoint.state import TrainState
+from parallel3d.checkpoint.unfinished import settle_unfinished
 from parallel3d.checkpoint.verify import check_hf_weights, checkpoint_problem
 from parallel3d.config import hf_folder
 from parallel3d.config.hf_folder import loaded_line
@@ -50,8 +51,8 @@ class Start:
 def restore(*, checkpointer: Checkpointer, state: TrainState, c: Config, announce: bool, config_yaml: str) -> Start:
     """Resume (or load initial weights) as checkpoint.* says: the one place a run decides which
     checkpoint it continues from, verified how, and what its config changes."""
-    for path in checkpointer.remove_incomplete():
-        print(f"parallel3d: removed incomplete checkpoint {path} (a save that did not finish)", flush=True)
+    settle_unfinished(root=checkpointer.root, verify=c.checkpoint.verify, resume=c.checkpoint.resume,
+                      announce=announce)
     path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=announce, verify=c.checkpoint.verify)
     if path is not None:
         step = check_not_past_end(path, c.train.steps)
