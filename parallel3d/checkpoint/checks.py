@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
+import yaml
 from omegaconf.errors import OmegaConfBaseException
 
 from parallel3d.base import ConfigError
-from parallel3d.checkpoint.commit import find_checkpoint
-from parallel3d.checkpoint.manifest import VERIFY_MODES
+from parallel3d.checkpoint.commit import complete_steps, find_checkpoint
+from parallel3d.checkpoint.manifest import VERIFY_MODES, ManifestMissing, file_problem
 from parallel3d.config import hf_folder
 
 # The model shape a checkpoint must share with the run that loads it (the layout may differ).
@@ -32,14 +32,17 @@ def check_checkpoint(ck, m, run_dir: Path | None) -> None:
             raise ConfigError(f"checkpoint.{key}", getattr(ck, key), "must be >= 0", "use 0 (off / keep all) or N")
     if ck.verify not in VERIFY_MODES:
         raise ConfigError("checkpoint.verify", ck.verify, "unknown mode", f"use one of {', '.join(VERIFY_MODES)}")
-    if ck.resume == "auto" and run_dir is not None and (found := find_checkpoint(run_dir / "checkpoints")):
-        _check_saved_shape("checkpoint.resume", ck.resume, found, m)
+    if ck.resume == "auto" and run_dir is not None:
+        root = run_dir / "checkpoints"
+        for step in reversed(complete_steps(root)):  # the newest whose config verifies, as the resume falls back
+            if _check_saved_shape("checkpoint.resume", ck.resume, root / f"step_{step}", m, ck.verify):
+                break
     if ck.resume not in ("auto", "none"):
         found = find_checkpoint(Path(ck.resume).expanduser())
         if found is None:
             raise ConfigError("checkpoint.resume", ck.resume, "no complete checkpoint there", "give a step_<N> "
                               "folder, a checkpoints/ folder or a run_dir holding one, or use auto or none")
-        _check_saved_shape("checkpoint.resume", ck.resume, found, m)
+        _check_saved_shape("checkpoint.resume", ck.resume, found, m, ck.verify)
     if ck.init_from:
         path = Path(ck.init_from).expanduser()
         if hf_folder.is_hf_dir(path):
@@ -48,14 +51,33 @@ def check_checkpoint(ck, m, run_dir: Path | None) -> None:
             raise ConfigError("checkpoint.init_from", ck.init_from, "neither a checkpoint nor a Hugging Face "
                               "folder (config.json + *.safetensors)", "check the path")
         else:
-            _check_saved_shape("checkpoint.init_from", ck.init_from, found, m)
+            _check_saved_shape("checkpoint.init_from", ck.init_from, found, m, ck.verify)
 
 
-def _check_saved_shape(key: str, value: str, checkpoint: Path, m) -> None:
-    saved = OmegaConf.load(checkpoint / "config.yaml").model
+def saved_model(checkpoint: Path, verify: str) -> dict | None:
+    """The model section of ``checkpoint``'s config.yaml, read only once that file verifies against
+    the checkpoint's manifest (as ``verify`` says); None when it cannot be trusted or read. The
+    resume then verifies the whole checkpoint and falls back (or refuses), naming the damage."""
+    try:
+        if file_problem(checkpoint, "config.yaml", verify) is not None:
+            return None
+    except ManifestMissing:
+        pass  # saved before manifests: the structural checks of the resume judge it
+    try:
+        model = (yaml.safe_load((checkpoint / "config.yaml").read_text()) or {}).get("model")
+    except (OSError, ValueError, yaml.YAMLError, AttributeError):
+        return None
+    return model if isinstance(model, dict) and all(k in model for k in SHAPE_KEYS) else None
+
+
+def _check_saved_shape(key: str, value: str, checkpoint: Path, m, verify: str) -> bool:
+    """Refuse a checkpoint of another model shape; False when its config cannot be trusted."""
+    saved = saved_model(checkpoint, verify)
+    if saved is None:
+        return False
     for name in SHAPE_KEYS:
         if saved[name] != m[name]:
             raise ConfigError(key, value, f"{checkpoint.name} holds a model with model.{name}={saved[name]}, this "
                               f"run builds model.{name}={m[name]}", f"set model.{name}={saved[name]} (the layout "
                               f"may change freely, the model's shape may not)")
-
+    return True

@@ -155,6 +155,26 @@ def _check_entry(inside: Path, name: str, entry) -> None:
         raise ValueError(f"entry {name!r} does not have one {CHECKSUM} hash per {BLOCK}-byte block")
 
 
+def file_problem(folder: Path, name: str, mode: str) -> str | None:
+    """What is wrong with one file of ``folder`` against its manifest (``mode``: ``size`` or
+    ``checksum``), as one line, or None; ManifestMissing when there is none. For a small file read
+    before the whole folder is verified (a checkpoint's config.yaml, at validation)."""
+    folder = Path(folder)
+    try:
+        manifest = read_manifest(folder)
+    except ValueError as e:
+        return f"{folder / MANIFEST} is unreadable ({' '.join(str(e).split())})"
+    entry = manifest["files"].get(name)
+    if entry is None:
+        return f"{folder / name} is not in the manifest"
+    if mode == "none" or (problem := _size_problem(folder / name, entry["size"])):
+        return None if mode == "none" else problem
+    if mode == "checksum":
+        found = _checksum_problem(folder, manifest, _blocks({name: entry["size"]}, manifest["block_bytes"]))
+        return found[-1] if found else None
+    return None
+
+
 def gathered(value, group) -> list:
     """``value`` of every rank of ``group`` in rank order, on every rank (``[value]`` without a group)."""
     if group is None:
