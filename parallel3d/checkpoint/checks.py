@@ -3,15 +3,20 @@ would load against the model this run builds (one ConfigError line before any pr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import torch
 import yaml
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallel3d.base import ConfigError
+from parallel3d.base import GIB, ConfigError
 from parallel3d.checkpoint.commit import complete_steps, find_checkpoint
 from parallel3d.checkpoint.manifest import VERIFY_MODES, ManifestMissing, file_problem
 from parallel3d.config import hf_folder
+from parallel3d.config.schema import ModelConfig
+from parallel3d.models.size import parameter_count, with_value
 
 # The model shape a checkpoint must share with the run that loads it (the layout may differ).
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
@@ -25,8 +30,9 @@ def run_dir_of(cfg) -> Path | None:
         return None
 
 
-def check_checkpoint(ck, m, run_dir: Path | None) -> None:
-    """checkpoint.* against the run: modes, and a resume or init_from of the same model's shape."""
+def check_checkpoint(ck, m, run_dir: Path | None, world_size: int = 1) -> None:
+    """checkpoint.* against the run: modes, a resume or init_from of the same model's shape, and a
+    Hugging Face folder's model small enough for the ``world_size`` ranks' memory."""
     for key in ("every", "keep_last"):
         if getattr(ck, key) < 0:
             raise ConfigError(f"checkpoint.{key}", getattr(ck, key), "must be >= 0", "use 0 (off / keep all) or N")
@@ -47,6 +53,7 @@ def check_checkpoint(ck, m, run_dir: Path | None) -> None:
         path = Path(ck.init_from).expanduser()
         if hf_folder.is_hf_dir(path):
             hf_folder.check_agrees(path, m)
+            check_hf_size(path, m, world_size)
         elif (found := find_checkpoint(path)) is None:
             raise ConfigError("checkpoint.init_from", ck.init_from, "neither a checkpoint nor a Hugging Face "
                               "folder (config.json + *.safetensors)", "check the path")
@@ -81,3 +88,48 @@ def _check_saved_shape(key: str, value: str, checkpoint: Path, m, verify: str) -
                               f"run builds model.{name}={m[name]}", f"set model.{name}={saved[name]} (the layout "
                               f"may change freely, the model's shape may not)")
     return True
+
+
+def check_hf_size(path: Path, m, world_size: int) -> None:
+    """Every number of a Hugging Face config that sizes the model, checked before anything is
+    built: the parameter count (models/size.py, from the config alone) times the least model state
+    a parameter needs (fp32 weights, gradients and AdamW's two moments: 16 bytes; a frozen LoRA
+    base: its weights, 4), sharded over every rank, must fit one rank's memory."""
+    cfg = OmegaConf.to_object(m) if OmegaConf.is_config(m) else m
+    try:
+        count = parameter_count(cfg)
+    except (RuntimeError, ValueError, OverflowError):  # a shape too large for torch to describe
+        count = None
+    per_parameter = 4 if cfg.lora.rank else 16
+    memory = _rank_memory_bytes(world_size)
+    if count is not None and count * per_parameter / world_size <= memory:
+        return
+    key = _largest_factor(cfg, path)
+    hf_key, value = hf_folder.read_model(path)[key]
+    size = (f"a model of {count:.3g} parameters, at least {count * per_parameter / world_size / GIB:,.0f} GiB "
+            f"of model state a rank ({per_parameter} bytes a parameter over {world_size} ranks)"
+            if count is not None else "a model too large for torch to describe")
+    raise ConfigError("checkpoint.init_from", path, f"its config.json has {hf_key}={value}: {size}, more than the "
+                      f"{memory / GIB:,.0f} GiB a rank has", f"check {hf_key} in {path / 'config.json'} (damaged "
+                      f"or mistyped?), or run on more ranks or larger devices")
+
+
+def _largest_factor(cfg: ModelConfig, path: Path) -> str:
+    """The model key of the folder's config whose value makes the model largest: the one that,
+    set to 1, shrinks the parameter count most (a damaged or mistyped field stands out so)."""
+    counts = {}
+    for key, (_, value) in hf_folder.read_model(path).items():
+        if type(value) is int and value > 1:
+            try:
+                counts[key] = parameter_count(with_value(cfg, key, 1))
+            except (RuntimeError, ValueError, OverflowError, ZeroDivisionError):
+                continue
+    return min(counts, key=counts.get) if counts else "n_layers"
+
+
+def _rank_memory_bytes(world_size: int) -> int:
+    """One rank's memory: its GPU's, or on CPU the host's shared by the ranks on it."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world_size
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1)
