@@ -8,11 +8,13 @@ stopped. The fallback cases train in one batched launch (tests/layout_batch.py).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import FAST, Run, launch, launch_batch
@@ -291,6 +293,29 @@ def test_an_error_every_rank_raised_is_printed_once(tmp_path, capsys):
 
 # -- a full disk --------------------------------------------------------------------------
 
+
+def test_a_full_disk_anywhere_is_one_line_naming_the_path_and_nothing_after_it(tmp_path, capsys):
+    """/dev/full answers every write with ENOSPC: the rank log it stands for, a token cache file,
+    and a bare OSError each end in one line that names the path and the fix, with no traceback."""
+    from parallel3d.data.dataset import write_array_file
+    from parallel3d.runtime.failures import report_failure
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank0.log").symlink_to("/dev/full")  # the run dir's disk is full too
+    report_failure(OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl")), str(tmp_path), 0)
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"parallel3d: error: disk full writing {tmp_path / 'metrics.jsonl'}: free space on its file "
+                          f"system") and f"its traceback could not be written to {tmp_path / 'logs'}" in err, err
+    cache = tmp_path / "cache" / "shard.bin"
+    cache.parent.mkdir()
+    (cache.parent / f".shard.bin.{os.getpid()}.tmp").symlink_to("/dev/full")
+    with pytest.raises(RunError) as caught:
+        write_array_file([np.arange(1 << 16)], np.uint16, cache, {})
+    assert str(caught.value) == (f"disk full writing {cache}: free space on its file system, or set data.cache_dir "
+                                 f"to a folder with room, and run again (finished files are kept)")
+    assert sorted(p.name for p in cache.parent.iterdir()) == []  # nothing half-written left
+
 # case: (ranks, overrides). A checkpoint of this model is ~11 MB at any rank count: the 16 MB disk
 # takes step_2, and step_4 fills it.
 # Two ranks only: they also show the ranks agreeing on the failure, and the saved run is their reference.
@@ -337,7 +362,7 @@ def test_a_full_disk_is_one_line_and_the_resume_after_it_is_exact(full_disks, na
     failed, (steps, problem), resumed, reference = full_disks[name]
     assert failed.returncode != 0
     ours = [line for line in (failed.stdout + failed.stderr).splitlines() if line.startswith("parallel3d: error")]
-    assert len(ours) == 1, failed.stderr[-3000:]
+    assert len(ours) == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
     assert "disk full writing" in ours[0] and "step_4" in ours[0] and "free space" in ours[0], ours
     assert (failed.run_dir / "logs" / "rank0.log").is_file()
     assert steps == [2] and problem is None  # step_2 intact, step_4's partial folder gone
