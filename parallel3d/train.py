@@ -48,7 +48,7 @@ from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.progress import Progress
 from parallel3d.runtime import watchdog
 from parallel3d.runtime.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, ensure_rank_log,
-                                         report_failure, warnings_to_log)
+                                         exit_if_stopped_before, note_stopped, report_failure, warnings_to_log)
 from parallel3d.runtime.guard import BadStepGuard, TrainingDiverged
 from parallel3d.runtime.process_group import init_distributed, report_hangs_in
 from parallel3d.runtime.rundir import (agree_on_run_dir, output_dir_is_run_dir, own_run_dir, register_rank0_dir,
@@ -269,9 +269,7 @@ class TrainLoop:
         path = pick_checkpoint(self.checkpointer.root, "auto", announce=rank() == 0, verify=c.checkpoint.verify)
         meta = self.checkpointer.load(path, self.state) if path is not None else None
         if meta is None or meta["model_only"]:
-            raise TrainingDiverged(f"{self.guard.max_bad_steps} bad steps in a row up to step {step} "
-                                   f"({self.guard.reason}) and no checkpoint of this run to roll back to: training "
-                                   f"diverged. Set checkpoint.every to roll back, or lower optim.lr")
+            raise self.guard.nothing_to_roll_back_to(at_step=step, every=c.checkpoint.every)
         if c.train.float8_fsdp_all_gather:  # the loaded weights' float8 scales, not the abandoned ones'
             precompute_float8_scales([self.setup.model])
         to_step = meta["step"]
@@ -312,6 +310,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def run_job(cfg: DictConfig) -> None:
     """One run, every way it can end: done, a config error, divergence, a stop signal (requeue), or
     a failure (one line here, the traceback in run_dir/logs; see failures.py)."""
+    exit_if_stopped_before(_known_run_dir(cfg), rank())  # torchrun --max-restarts: nothing to retry
     try:
         refuse_multirun_under_torchrun()
         train(cfg)
@@ -319,6 +318,7 @@ def run_job(cfg: DictConfig) -> None:
         if rank() == 0:
             kind = "config error" if isinstance(e, ConfigError) else "training stopped"
             print(f"parallel3d: {kind}: {e}", file=sys.stderr, flush=True)
+            note_stopped(_known_run_dir(cfg), code=2 if isinstance(e, ConfigError) else 3, line=f"{kind}: {e}")
         else:  # torchrun kills the other ranks when one exits: let rank 0 say why first
             time.sleep(2)
         sys.exit(2 if isinstance(e, ConfigError) else 3)

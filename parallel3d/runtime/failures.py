@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import sys
 import tempfile
@@ -117,6 +118,39 @@ def report_failure(error: BaseException, run_dir: str | None, rank: int) -> None
         hint = "" if debug() else f"; {DEBUG_ENV}=1 prints it here"
         log = f"traceback in {path}{hint}" if kept is True else f"its traceback could not be written to {path}: {kept}"
         print(f"parallel3d: error: {where}{one_line(error)} ({log})", file=sys.stderr, flush=True)
+
+
+STOPPED_NOTE = ".stopped"  # in run_dir: why the last attempt stopped on purpose (exit 2 or 3)
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of this attempt's restarts
+
+
+def note_stopped(run_dir: str | None, *, code: int, line: str) -> None:
+    """Rank 0, when the run stops on purpose (a config error, a bad step that stops it): noted in
+    run_dir, so that an attempt torchrun's ``--max-restarts`` starts after it ends at once."""
+    if run_dir:
+        with contextlib.suppress(OSError):
+            (Path(run_dir) / STOPPED_NOTE).write_text(json.dumps({"exit": code, "line": line}))
+
+
+def exit_if_stopped_before(run_dir: str | None, rank: int) -> None:
+    """An attempt that torchrun restarted after one that stopped on purpose: nothing to retry (the
+    same config, the same data, the same bad step), so it exits at once with the same code and
+    line. A first attempt (a new command) clears an old note and runs."""
+    note = Path(run_dir) / STOPPED_NOTE if run_dir else None
+    if note is None or not note.is_file():
+        return
+    if int(os.environ.get(RESTART_ENV, "0") or 0) == 0:
+        note.unlink(missing_ok=True)
+        return
+    try:
+        stopped = json.loads(note.read_text())
+        code, line = int(stopped["exit"]), str(stopped["line"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if rank == 0:
+        print(f"parallel3d: not restarted: the attempt before stopped on purpose (exit {code}), and a restart "
+              f"would stop the same way: {line}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 class SweepFailures:
