@@ -25,7 +25,7 @@ from parallel3d.checkpoint.checkpointer import Checkpointer
 from parallel3d.checkpoint.commit import COMPLETE, complete_steps
 from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors
-from parallel3d.checkpoint.manifest import MANIFEST, read_manifest
+from parallel3d.checkpoint.manifest import MANIFEST, file_entries, read_manifest
 from parallel3d.checkpoint.resume import pick_checkpoint, verify_init_from
 from parallel3d.checkpoint.verify import checkpoint_problem
 from parallel3d.config.schema import CheckpointConfig, ModelConfig
@@ -51,6 +51,11 @@ def _drop_manifest_entry(step_dir: Path) -> None:
     (step_dir / MANIFEST).write_text(json.dumps(manifest))
 
 
+def _edit_manifest(d: Path, **changes) -> None:
+    manifest = json.loads((d / MANIFEST).read_text())
+    (d / MANIFEST).write_text(json.dumps({**manifest, **changes}))
+
+
 # case: (damage to step_4, the damaged file, what the one line says about it)
 FAULTS = {
     "rank0-shard-deleted": (lambda d: _shard(d, 0).unlink(), lambda d: "shard-00001-", "is missing"),
@@ -63,7 +68,29 @@ FAULTS = {
     "shard-header-flipped": (lambda d: _flip(_shard(d, 1), 40), lambda d: _shard(d, 1).name, "checksum mismatch"),
     "meta-json-flipped": (lambda d: _flip(d / "meta.json", 5), lambda d: "meta.json", "checksum mismatch"),
     "manifest-entry-missing": (_drop_manifest_entry, lambda d: _shard(d, 0).name, "is not in the manifest"),
+    # Issue 33's battery: the structure at every level, hostile manifests, a damaged saved config.
+    "rank0-shard-and-manifest-deleted": (lambda d: (_shard(d, 0).unlink(), (d / MANIFEST).unlink()),
+                                         lambda d: "shard-00001-", "is missing: rank 0's shard"),
+    "verify-none-rank0-shard-deleted": (lambda d: _shard(d, 0).unlink(), lambda d: "shard-00001-",
+                                        "is missing: rank 0's shard"),
+    "manifest-tiny-blocks": (lambda d: _edit_manifest(d, block_bytes=1), lambda d: MANIFEST, "is unreadable"),
+    "manifest-names-a-file-outside": (lambda d: _name_outside(d), lambda d: MANIFEST, "names a file outside"),
+    "config-yaml-garbled": (lambda d: (d / "config.yaml").write_text("model: [\n"), lambda d: "config.yaml",
+                            "config.yaml: size"),
+    "every-complete-gone": (lambda d: (_flip(_shard(d, 0), _shard(d, 0).stat().st_size // 2),
+                                       *((d.parent / f"step_{s}" / COMPLETE).unlink() for s in (2, 4))),
+                            lambda d: str(d), "does not verify"),
 }
+OVERRIDES = {"verify-none-rank0-shard-deleted": ["checkpoint.verify=none"]}
+SAID_BY = {"every-complete-gone": "has no COMPLETE marker"}  # the line's mark, else "skipping corrupt checkpoint"
+
+
+def _name_outside(step_dir: Path) -> None:
+    """A manifest entry for a real file outside the folder, with its true size and hashes."""
+    outside = step_dir.parent.parent / "outside.bin"
+    outside.write_bytes(b"x" * 1000)
+    entry = file_entries(outside.parent, [outside])[outside.name]
+    _edit_manifest(step_dir, files={**json.loads((step_dir / MANIFEST).read_text())["files"], "../../outside.bin": entry})
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +116,10 @@ def damaged_copy(saved: Run, name: str, copy: str | None = None) -> tuple[Path, 
 def fallbacks(saved) -> dict[str, Run]:
     """Every fault case resumed (checkpoint.resume=auto) in one 2-rank launch."""
     damaged = {name: damaged_copy(saved, name) for name in FAULTS}
-    runs = launch_batch(saved.run_dir.parent, {name: [*SAVING] for name in FAULTS}, nproc=2)
+    runs = launch_batch(saved.run_dir.parent, {name: [*SAVING, *OVERRIDES.get(name, [])] for name in FAULTS}, nproc=2)
     for name, (run_dir, _) in damaged.items():  # a case the batch did not finish gets a launch of its own
         if name not in runs:
-            runs[name] = launch(run_dir, SAVING, nproc=2)
+            runs[name] = launch(run_dir, [*SAVING, *OVERRIDES.get(name, [])], nproc=2)
         runs[name].damaged = damaged[name][1]
     return runs
 
@@ -103,7 +130,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(saved, fallbacks, n
     run = fallbacks[name]
     run.assert_finished(4)
     step4 = run.run_dir / "checkpoints" / "step_4"
-    said = [line for line in run.stderr.splitlines() if "skipping corrupt checkpoint" in line]
+    said = [line for line in run.stderr.splitlines() if SAID_BY.get(name, "skipping corrupt checkpoint") in line]
     assert len(said) == 1 and run.damaged in said[0] and FAULTS[name][2] in said[0], run.stderr[-2000:]
     assert f"resumed from {step4.parent / 'step_2'}" in run.stdout
     # steps 3-4 as the uninterrupted run trained them from step_2, and step_4 saved whole again
@@ -181,11 +208,6 @@ STRUCTURE = {
         **json.loads((d / MANIFEST).read_text())["files"], "../../outside.bin": {"size": 1, "xxh3_64": ["0"]}}),
         ("checksum", "size"), "manifest.json is unreadable (entry '../../outside.bin' names a file outside"),
 }
-
-
-def _edit_manifest(d: Path, **changes) -> None:
-    manifest = json.loads((d / MANIFEST).read_text())
-    (d / MANIFEST).write_text(json.dumps({**manifest, **changes}))
 
 
 @pytest.mark.multirank  # the 2-rank run its copies come from
