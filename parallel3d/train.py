@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import CheckpointException
 from parallel3d.base import ConfigError, rank, world_size_from_env
 from parallel3d.checkpoint.checkpointer import Checkpointer, full_model_state
 from parallel3d.checkpoint.state import TrainState
-from parallel3d.checkpoint.resume import pick_checkpoint, restore
+from parallel3d.checkpoint.resume import load_verified, restore
 from parallel3d.config.compose import CONF_DIR, register_configs, user_set_keys
 from parallel3d.config.hf_folder import apply_hf_folder
 from parallel3d.config.schema import Config
@@ -266,8 +266,9 @@ class TrainLoop:
         c = self.setup.config
         self.batches.close()
         self.checkpointer.wait()
-        path = pick_checkpoint(self.checkpointer.root, "auto", announce=rank() == 0, verify=c.checkpoint.verify)
-        meta = self.checkpointer.load(path, self.state) if path is not None else None
+        found = load_verified(checkpointer=self.checkpointer, state=self.state, resume="auto",
+                              verify=c.checkpoint.verify, announce=rank() == 0)
+        meta = found[1] if found is not None else None
         if meta is None or meta["model_only"]:
             raise self.guard.nothing_to_roll_back_to(at_step=step, every=c.checkpoint.every)
         if c.train.float8_fsdp_all_gather:  # the loaded weights' float8 scales, not the abandoned ones'

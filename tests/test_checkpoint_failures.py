@@ -274,6 +274,52 @@ def test_a_damaged_seed_checkpoint_is_refused_as_init_from(tmp_path):
         verify_init_from(step0, "checksum", announce=False)
 
 
+def test_shards_are_hashed_as_the_load_reads_them_and_a_flipped_byte_is_refused(tmp_path, monkeypatch, capsys):
+    """Under checksum the pick checks the shards' sizes and the load hashes each block it reads,
+    once; a flipped byte refuses the load before any tensor changes, and auto-resume falls back."""
+    import parallel3d.checkpoint.manifest as manifest_module
+    import parallel3d.checkpoint.reader as reader_module
+    from parallel3d.checkpoint.resume import load_verified
+
+    monkeypatch.setattr(manifest_module, "BLOCK", 4096)  # a shard of several blocks
+    checkpointer, state = Checkpointer(tmp_path, CheckpointConfig()), TrainState(_state().parts)
+    for step in (2, 4):
+        checkpointer.save(step, state, {"samples_seen": 0}, "")
+        with torch.no_grad():
+            state.parts[0].norm.weight.add_(1.0)
+    root, hashed, verified = tmp_path / "checkpoints", [], []
+    hash_blocks, hash_of = manifest_module._hash_blocks, reader_module.hash_of
+    monkeypatch.setattr(manifest_module, "_hash_blocks", lambda f, blocks, b: verified.extend(blocks) or
+                        hash_blocks(f, blocks, b))
+    monkeypatch.setattr(reader_module, "hash_of", lambda path, start, length: hashed.append((path.name, start)) or
+                        hash_of(path, start, length))
+    loaded = TrainState(_state().parts)
+    assert load_verified(checkpointer=checkpointer, state=loaded, resume="auto", verify="checksum",
+                         announce=False)[0] == root / "step_4"
+    shard = next((root / "step_4").glob("shard-*.safetensors"))
+    blocks = range(0, shard.stat().st_size, 4096)
+    assert len(blocks) > 2 and [b for name, b in verified if name == shard.name] == [0]  # the header's block
+    assert sorted(hashed) == [(shard.name, start) for start in blocks[1:]]  # the rest, once, as the load reads
+    assert torch.equal(loaded.parts[0].norm.weight, state.parts[0].norm.weight - 1)
+    _flip(shard, shard.stat().st_size - 3)
+    fresh = TrainState(_state().parts)
+    with torch.no_grad():  # values no checkpoint holds: a copied tensor would show
+        for param in fresh.parts[0].parameters():
+            param.fill_(7.0)
+    before = {k: v.clone() for k, v in fresh.parts[0].state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"checkpoint.resume={root / 'step_4'}: {shard}: checksum mismatch in "
+                                              rf"bytes {blocks[-1]}\.\..*Fix: name an earlier checkpoint"):
+        load_verified(checkpointer=checkpointer, state=fresh, resume=str(root / "step_4"), verify="checksum",
+                      announce=False)
+    damaged = [k for k, (a, b) in reader_module._data_offsets(shard).items() if b > blocks[-1]]
+    assert damaged and all(torch.equal(fresh.parts[0].state_dict()[k], before[k]) for k in damaged)  # never copied
+    assert load_verified(checkpointer=checkpointer, state=fresh, resume="auto", verify="checksum",
+                         announce=True)[0] == root / "step_2"
+    said = [line for line in capsys.readouterr().err.splitlines() if "skipping corrupt checkpoint" in line]
+    assert len(said) == 1 and f"{shard}: checksum mismatch" in said[0], said
+    assert torch.equal(fresh.parts[0].norm.weight, state.parts[0].norm.weight - 2)
+
+
 def test_a_non_finite_state_is_not_saved_and_the_good_checkpoint_stays(tmp_path):
     state = _state()
     checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep_last=1))
@@ -384,7 +430,9 @@ def test_a_full_disk_is_one_line_and_the_resume_after_it_is_exact(full_disks, na
     failed, (steps, problem), resumed, reference = full_disks[name]
     assert failed.returncode != 0
     ours = [line for line in (failed.stdout + failed.stderr).splitlines() if line.startswith("parallel3d: error")]
-    assert len(ours) == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    # nothing of ours after it: no rank's traceback, no Hydra's (torchrun's own summary of a failed job stays)
+    assert len(ours) == 1 and not re.search(r'File ".*/parallel3d/', failed.stderr), failed.stderr[-3000:]
+    assert "Error executing job" not in failed.stderr and "Logging error" not in failed.stderr
     assert "disk full writing" in ours[0] and "step_4" in ours[0] and "free space" in ours[0], ours
     assert (failed.run_dir / "logs" / "rank0.log").is_file()
     assert steps == [2] and problem is None  # step_2 intact, step_4's partial folder gone

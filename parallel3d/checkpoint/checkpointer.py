@@ -42,7 +42,8 @@ from parallel3d.checkpoint import commit as protocol
 from parallel3d.checkpoint.commit import COMPLETE, META, complete_steps
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.checkpoint.init_from import load_initial_weights
-from parallel3d.checkpoint.manifest import MANIFEST, file_entries
+from parallel3d.checkpoint.manifest import MANIFEST, file_entries, read_manifest
+from parallel3d.checkpoint.reader import VerifyingReader
 from parallel3d.checkpoint.state import (TrainState, finish_load, model_targets, optimizer_entries, scheduler_state,
                                          state_dict)
 from parallel3d.config.schema import CheckpointConfig
@@ -202,13 +203,16 @@ class Checkpointer:
 
     # -- loading --------------------------------------------------------------------------
 
-    def load(self, path: Path, state: TrainState) -> dict:
+    def load(self, path: Path, state: TrainState, *, hash_shards: bool = False) -> dict:
         """Restore ``state`` from checkpoint ``path`` at this run's layout; returns its meta.json.
-        ``path`` is trusted: resume.pick_checkpoint verifies it first."""
+        ``path`` is verified first (resume.pick_checkpoint). ``hash_shards``: the shards' blocks
+        after their first (which the pick verified, with ``hashed_at_load``) are hashed against the
+        manifest as the load reads them (checkpoint/reader.py; a mismatch raises a CheckpointError
+        caused by ChecksumMismatch on every rank, before its bytes are used)."""
         with checkpoint_errors(path, saving=False, every_rank=True):
-            return self._load(path, state)
+            return self._load(path, state, hash_shards)
 
-    def _load(self, path: Path, state: TrainState) -> dict:
+    def _load(self, path: Path, state: TrainState, hash_shards: bool) -> dict:
         meta = json.loads((path / META).read_text())
         targets, copies = model_targets(state)
         targets |= state.persistent_buffers()
@@ -218,8 +222,9 @@ class Checkpointer:
                 twin = targets.setdefault(key, value)  # set already: a tied copy's state, filled from its twin
                 if twin is not value:
                     copies.append((value, twin))
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
-                 no_dist=self.group is None)
+        reader = (VerifyingReader(str(path), read_manifest(path)) if hash_shards and (path / MANIFEST).is_file()
+                  else HuggingFaceStorageReader(str(path)))
+        dcp.load(targets, storage_reader=reader, process_group=self.group, no_dist=self.group is None)
         finish_load(copies)
         if state.scheduler is not None and not meta["model_only"]:  # the config's schedule, at the saved step
             set_schedule_step(state.scheduler, meta["step"])

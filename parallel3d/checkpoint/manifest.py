@@ -209,10 +209,13 @@ def first_problem(folder: Path, problems: list[tuple | None]) -> str | None:
     return min(found)[-1] if found else None
 
 
-def share_problem(folder: Path, mode: str, *, ignore: Iterable[str] = (), share: tuple[int, int] = (0, 1)):
+def share_problem(folder: Path, mode: str, *, ignore: Iterable[str] = (), share: tuple[int, int] = (0, 1),
+                  hashed_later: str | None = None):
     """This rank's part of verify_manifest: ``share`` = (index, count) checks every count-th file
     (from the index-th) and every count-th block. The first problem as a sortable (kind, file,
-    offset, line), NO_MANIFEST, or None."""
+    offset, line), NO_MANIFEST, or None. ``hashed_later``: a pattern of files of which only the
+    first block is hashed here (it holds a safetensors header, which a load parses before reading
+    data); the load hashes the others as it reads them (checkpoint/reader.py)."""
     folder, (index, count) = Path(folder), share
     try:
         manifest = read_manifest(folder)
@@ -229,7 +232,8 @@ def share_problem(folder: Path, mode: str, *, ignore: Iterable[str] = (), share:
         if index == 0 and (problem := _unlisted(folder, listed, (MANIFEST, MANIFEST + ".tmp", *ignore))):
             return problem
         if mode == "checksum":
-            return _checksum_problem(folder, manifest, blocks)
+            now = [b for b in blocks if not hashed_later or b[1] == 0 or not fnmatch.fnmatch(b[0], hashed_later)]
+            return _checksum_problem(folder, manifest, now)
     except OSError as e:  # unreadable (an I/O error): a problem like any other, on every rank
         return 1, Path(e.filename or "").name, 0, f"{e.filename or folder} is unreadable ({e.strerror or e})"
     return None

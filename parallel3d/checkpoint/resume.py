@@ -11,6 +11,7 @@ verifies, with one line naming the file, instead of failing deep inside DCP with
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from parallel3d.checkpoint.checkpointer import Checkpointer
 from parallel3d.checkpoint.commit import META, complete_steps, find_checkpoint
 from parallel3d.checkpoint.errors import CheckpointError, failure_line
 from parallel3d.checkpoint.manifest import MANIFEST, gathered
+from parallel3d.checkpoint.reader import mismatch_of
 from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.unfinished import settle_unfinished
 from parallel3d.checkpoint.verify import check_hf_weights, checkpoint_problem
@@ -53,13 +55,18 @@ def restore(*, checkpointer: Checkpointer, state: TrainState, c: Config, announc
     checkpoint it continues from, verified how, and what its config changes."""
     settle_unfinished(root=checkpointer.root, verify=c.checkpoint.verify, resume=c.checkpoint.resume,
                       announce=announce)
-    path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=announce, verify=c.checkpoint.verify)
-    if path is not None:
-        step = check_not_past_end(path, c.train.steps)
+
+    def checked(path: Path) -> None:  # the chosen checkpoint against this run, before it is loaded
+        check_not_past_end(path, c.train.steps)
         check_tokenizer(path, c.data, announce=announce)
         if announce:
             report_changes(path, config_yaml)
-        meta = checkpointer.load(path, state)
+
+    found = load_verified(checkpointer=checkpointer, state=state, resume=c.checkpoint.resume,
+                          verify=c.checkpoint.verify, announce=announce, before_load=checked)
+    if found is not None:
+        path, meta = found
+        step = 0 if meta["model_only"] else meta["step"]
         if announce:
             print(f"parallel3d: resumed from {path} (saved at {meta['layout']})", flush=True)
             if step == c.train.steps:
@@ -84,13 +91,49 @@ def restore(*, checkpointer: Checkpointer, state: TrainState, c: Config, announc
     return Start()
 
 
-def pick_checkpoint(root: Path, resume: str, announce: bool, *, verify: str = "checksum") -> Path | None:
+def pick_checkpoint(root: Path, resume: str, announce: bool, *, verify: str = "checksum",
+                    hashed_at_load: bool = False, rejected: dict[Path, str] | None = None) -> Path | None:
     """The checkpoint ``checkpoint.resume`` names, verified. Under ``auto`` a corrupt newest one is
     skipped for the newest one that verifies (said on the console when ``announce``); a named one
     that fails is refused. Collective when a process group is up: rank 0 checks, every rank gets
-    its verdict (the same path, or the same CheckpointError)."""
+    its verdict (the same path, or the same CheckpointError). ``hashed_at_load``: the shards'
+    blocks are left to the load (load_verified); ``rejected``: checkpoints a load found damaged."""
     group = dist.group.WORLD if dist.is_initialized() else None
-    return _decided_together(lambda: _pick(root, resume, announce, verify, group), root, group)
+    check = functools.partial(checkpoint_problem, group=group, shards_hashed_at_load=hashed_at_load)
+    return _decided_together(lambda: _pick(root, resume, announce, verify, check, rejected or {}), root, group)
+
+
+def load_verified(*, checkpointer: Checkpointer, state: TrainState, resume: str, verify: str,
+                  announce: bool, before_load=None) -> tuple[Path, dict] | None:
+    """The checkpoint ``resume`` names (pick_checkpoint), loaded into ``state``: (its path, its
+    meta.json), or None when there is none. Under ``checksum`` each shard block is hashed as the
+    load reads it (each byte read once); a mismatch falls back to the previous checkpoint like
+    any damage pick_checkpoint finds. ``before_load(path)``: checks of the chosen checkpoint."""
+    rejected: dict[Path, str] = {}
+    while True:
+        path = pick_checkpoint(checkpointer.root, resume, announce, verify=verify, hashed_at_load=True,
+                               rejected=rejected)
+        if path is None:
+            return None
+        if before_load is not None:
+            before_load(path)
+        try:
+            return path, checkpointer.load(path, state, hash_shards=verify == "checksum")
+        except CheckpointError as e:
+            line = mismatch_of(e)
+            if line is None:
+                raise
+            if resume != "auto":
+                raise CheckpointError(f"checkpoint.resume={resume}: {line}. Fix: name an earlier checkpoint",
+                                      every_rank=True) from e
+            _skipping(path, line, announce)
+            rejected[path] = line
+
+
+def _skipping(path: Path, problem: str, announce: bool) -> None:
+    if announce:
+        print(f"parallel3d: skipping corrupt checkpoint {path}: {problem}; trying the previous one",
+              file=sys.stderr, flush=True)
 
 
 def _decided_together(decide, path: Path, group):
@@ -108,7 +151,7 @@ def _decided_together(decide, path: Path, group):
     return verdict[1]
 
 
-def _pick(root: Path, resume: str, announce: bool, verify: str, group) -> Path | None:
+def _pick(root: Path, resume: str, announce: bool, verify: str, check, rejected: dict[Path, str]) -> Path | None:
     if resume == "none":
         return None
     if resume != "auto":
@@ -116,7 +159,7 @@ def _pick(root: Path, resume: str, announce: bool, verify: str, group) -> Path |
         if path is None:
             raise RunError(f"checkpoint.resume={resume}: no complete checkpoint there. Fix: name a step_<N> "
                            f"folder, a checkpoints/ folder or a run_dir, or use checkpoint.resume=auto")
-        problem = checkpoint_problem(path, verify, group=group)
+        problem = check(path, verify)
         if problem:
             raise RunError(f"checkpoint.resume={resume}: {problem}. Fix: name an earlier checkpoint")
         _warn_unverified(path, verify, announce)
@@ -124,13 +167,14 @@ def _pick(root: Path, resume: str, announce: bool, verify: str, group) -> Path |
     problems = []
     for step in reversed(complete_steps(root)):
         path = root / f"step_{step}"
-        problems.append(checkpoint_problem(path, verify, group=group))
+        if path in rejected:  # said when its load found it
+            problems.append(rejected[path])
+            continue
+        problems.append(check(path, verify))
         if problems[-1] is None:
             _warn_unverified(path, verify, announce)
             return path
-        if announce:
-            print(f"parallel3d: skipping corrupt checkpoint {path}: {problems[-1]}; trying the previous one",
-                  file=sys.stderr, flush=True)
+        _skipping(path, problems[-1], announce)
     if problems:  # never a silent fresh start over a run whose checkpoints are all damaged
         raise RunError(f"every checkpoint in {root} is corrupt (newest: {problems[0]}). Fix: "
                        f"checkpoint.resume=none to start afresh (the old run is moved aside)")

@@ -16,16 +16,22 @@ from parallel3d.checkpoint.commit import COMPLETE, META, SHARD
 from parallel3d.checkpoint.manifest import MANIFEST, ManifestMissing, first_problem, gathered, share_problem
 
 
-def checkpoint_problem(path: Path, verify: str = "checksum", *, group=None) -> str | None:
+def checkpoint_problem(path: Path, verify: str = "checksum", *, group=None, shards_hashed_at_load: bool = False
+                       ) -> str | None:
     """What is wrong with the files of checkpoint ``path``, or None. ``verify``: how its files are
     checked against its manifest (``checksum``, ``size``, ``none``). The structural checks hold at
     every level: meta.json, config.yaml and every safetensors header parse, every rank's shard is
     there (meta.json's world size) and the shards tile every tensor. One written before manifests
     existed gets those alone; one whose meta.json says it was saved with a manifest and that has
     none is damaged. ``group``: a process group whose ranks share the reading (each every n-th
-    file and block) and all return the same answer (one all-gather)."""
+    file and block) and all return the same answer (one all-gather). ``shards_hashed_at_load``:
+    under ``checksum``, the shards' sizes and first blocks (their headers) are checked here and
+    their other blocks hashed by the load that reads them (checkpoint/reader.py): each byte is
+    read from the disk once."""
     share = (group.rank(), group.size()) if group is not None else (0, 1)
-    manifest = share_problem(path, verify, ignore=[COMPLETE], share=share) if verify != "none" else None
+    later = "shard-*.safetensors" if shards_hashed_at_load else None
+    manifest = share_problem(path, verify, ignore=[COMPLETE], share=share, hashed_later=later) \
+        if verify != "none" else None
     found = gathered((manifest, _structure_problem(path, share)), group)
     structure = sorted(s for _, s in found if s is not None)
     try:
