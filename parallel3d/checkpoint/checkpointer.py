@@ -13,7 +13,8 @@
     COMPLETE                   written last (checkpoint/commit.py): a folder without it is not loaded
 
 Keys do not depend on the layout (checkpoint/state.py), so DCP reshards to whatever dp/tp/pp the
-loader runs; ``checkpoint.init_from`` loads initial weights (checkpoint/init_from.py). Nothing is unpickled on load: tensors and their sharding come from safetensors, the rest from JSON.
+loader runs; ``checkpoint.init_from`` loads initial weights (checkpoint/init_from.py). Nothing is
+unpickled on load: tensors and their sharding come from safetensors, the rest from JSON.
 
 A save refuses a model or optimizer holding NaN or Inf (every rank checks its shards, one
 all-reduce decides), so no non-finite checkpoint exists; ``keep_last`` removes older checkpoints

@@ -5,8 +5,10 @@ A checkpoint restores state (weights, optimizer moments, RNG, data position, the
 config decides everything else, the learning-rate schedule included (optim.set_schedule_step).
 Before any rank loads anything, the ranks check each candidate together (checkpoint/verify.py):
 each checks every n-th file and block, one all-gather of what they found gives every rank the
-same verdict at the same time, so all load the same checkpoint or all stop. A corrupt newest checkpoint is skipped for the newest one that
-verifies, with one line naming the file, instead of failing deep inside DCP with a traceback.
+same verdict at the same time, so all load the same checkpoint or all stop. Under ``checksum``
+the shards' blocks are hashed by the load as it reads them (checkpoint/reader.py), each byte read
+once; a mismatch there is damage like any other. A corrupt newest checkpoint is skipped for the
+newest one that verifies, with one line naming the file, instead of failing deep inside DCP.
 """
 
 from __future__ import annotations

@@ -65,9 +65,10 @@ def settle_unfinished(*, root: Path, verify: str, resume: str, announce: bool) -
     if resume == "auto" and not complete_steps(root) and removed and not set_aside and announce:
         print(f"parallel3d: no checkpoint in {root} had finished: starting from step 1", flush=True)
     if set_aside and resume == "auto" and not complete_steps(root):
-        raise CheckpointError(f"no complete checkpoint is left in {root} ({len(set_aside)} set aside: {set_aside[0]}). "
-                       f"Fix: check that folder (checkpoint.resume=PATH loads a checkpoint you trust, with its "
-                       f"COMPLETE file), or checkpoint.resume=none to start afresh (the old run is moved aside)", every_rank=True)
+        raise CheckpointError(f"no complete checkpoint is left in {root} ({len(set_aside)} set aside: "
+                              f"{set_aside[0]}). Fix: check that folder (checkpoint.resume=PATH loads a checkpoint "
+                              f"you trust, with its COMPLETE file), or checkpoint.resume=none to start afresh (the "
+                              f"old run is moved aside)", every_rank=True)
 
 
 def _verdict(path: Path, verify: str, group) -> tuple[str, str]:
