@@ -288,11 +288,11 @@ def test_shards_are_hashed_as_the_load_reads_them_and_a_flipped_byte_is_refused(
         with torch.no_grad():
             state.parts[0].norm.weight.add_(1.0)
     root, hashed, verified = tmp_path / "checkpoints", [], []
-    hash_blocks, hash_range = manifest_module._hash_blocks, reader_module._Mapped.hash
+    hash_blocks, hash_of = manifest_module._hash_blocks, reader_module.hash_of
     monkeypatch.setattr(manifest_module, "_hash_blocks", lambda f, blocks, b: verified.extend(blocks) or
                         hash_blocks(f, blocks, b))
-    monkeypatch.setattr(reader_module._Mapped, "hash", lambda mapped, start, end: hashed.append(
-        (mapped.path.name, start)) or hash_range(mapped, start, end))
+    monkeypatch.setattr(reader_module, "hash_of", lambda path, start, length: hashed.append((path.name, start)) or
+                        hash_of(path, start, length))
     loaded = TrainState(_state().parts)
     assert load_verified(checkpointer=checkpointer, state=loaded, resume="auto", verify="checksum",
                          announce=False)[0] == root / "step_4"
@@ -311,7 +311,7 @@ def test_shards_are_hashed_as_the_load_reads_them_and_a_flipped_byte_is_refused(
                                               rf"bytes {blocks[-1]}\.\..*Fix: name an earlier checkpoint"):
         load_verified(checkpointer=checkpointer, state=fresh, resume=str(root / "step_4"), verify="checksum",
                       announce=False)
-    damaged = [k for k, (_, _, _, end) in reader_module._tensors(shard).items() if end > blocks[-1]]
+    damaged = [k for k, (_, end) in reader_module._data_offsets(shard).items() if end > blocks[-1]]
     assert damaged and all(torch.equal(fresh.parts[0].state_dict()[k], before[k]) for k in damaged)  # never copied
     assert load_verified(checkpointer=checkpointer, state=fresh, resume="auto", verify="checksum",
                          announce=True)[0] == root / "step_2"

@@ -53,15 +53,11 @@ def hash_of(path: Path, start: int = 0, length: int | None = None) -> str:
         end = size if length is None else min(size, start + length)
         digest = xxhash.xxh3_64()
         if end > start:
-            # Only the range, its pages mapped in one go (MAP_POPULATE, where there is one): one
-            # page-table fill instead of a fault per page, and a bulk read from a cold disk.
-            offset = start - start % mmap.ALLOCATIONGRANULARITY
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            with mmap.mmap(f.fileno(), end - offset, flags=flags, prot=mmap.PROT_READ, offset=offset) as mapped:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 view = memoryview(mapped)
                 try:
-                    for at in range(start - offset, end - offset, _CHUNK):
-                        digest.update(view[at:min(at + _CHUNK, end - offset)])
+                    for at in range(start, end, _CHUNK):
+                        digest.update(view[at:min(at + _CHUNK, end)])
                 finally:
                     view.release()
     return digest.hexdigest()
