@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import CheckpointException
 
 from parallel3d.base import ConfigError, rank, world_size_from_env
 from parallel3d.checkpoint.checkpointer import Checkpointer, full_model_state
-from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.resume import load_verified, restore
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.config.compose import CONF_DIR, register_configs, user_set_keys
 from parallel3d.config.hf_folder import apply_hf_folder
 from parallel3d.config.schema import Config
@@ -281,7 +281,6 @@ class TrainLoop:
         self.progress.write(line)
         self.batches = Prefetcher(self.sampler, to_step + 1, c.train.steps)
         return to_step
-
 
 
 def command_line() -> list[str]:

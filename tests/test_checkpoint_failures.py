@@ -23,10 +23,10 @@ from safetensors.torch import load_file
 from parallel3d.base import RunError
 from parallel3d.checkpoint.checkpointer import Checkpointer
 from parallel3d.checkpoint.commit import COMPLETE, complete_steps
-from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors
 from parallel3d.checkpoint.manifest import MANIFEST, file_entries, read_manifest
 from parallel3d.checkpoint.resume import pick_checkpoint, verify_init_from
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.verify import checkpoint_problem
 from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.models import Transformer

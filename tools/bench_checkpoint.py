@@ -31,8 +31,8 @@ from bench_common import heading
 from parallel3d.checkpoint import checkpointer as checkpoint_module
 from parallel3d.checkpoint import commit as commit_module
 from parallel3d.checkpoint.checkpointer import Checkpointer
-from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.resume import pick_checkpoint
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
 from parallel3d.optim.adamw import build_optimizer, init_optimizer_state
