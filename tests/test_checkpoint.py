@@ -294,6 +294,11 @@ def test_folders_without_their_marker_are_restored_removed_or_set_aside(tmp_path
     assert sorted(p.name for p in aside.iterdir()) == ["step_10", "step_12"] and not damaged.exists()
     assert f"{damaged} has no COMPLETE marker and does not verify" in err and "checksum mismatch" in err
     assert f"{old} has no COMPLETE marker and no manifest.json" in err and f"set aside to {aside / 'step_12'}" in err
+    first_save_killed = tmp_path / "other" / "checkpoints"
+    shutil.copytree(killed_source := _unfinished_copy(root, 16, MANIFEST), first_save_killed / "step_16")
+    shutil.rmtree(killed_source)
+    settle_unfinished(root=first_save_killed, verify="checksum", resume="auto", announce=True)
+    assert f"no checkpoint in {first_save_killed} had finished: starting from step 1" in capsys.readouterr().out
     _unfinished_copy(root, 14, "truncate")
     for step in (2, 4):  # every marker gone: the intact folders come back, the damaged one is set aside
         (root / f"step_{step}" / COMPLETE).unlink()
