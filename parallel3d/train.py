@@ -24,12 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import CheckpointException
 
 from parallel3d.base import ConfigError, rank, world_size_from_env
-from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState, full_model_state
-from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, check_tokenizer, pick_checkpoint,
-                                          report_changes, verify_init_from)
-from parallel3d.config import hf_folder
+from parallel3d.checkpoint.checkpointer import Checkpointer, full_model_state
+from parallel3d.checkpoint.resume import load_verified, restore
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.config.compose import CONF_DIR, register_configs, user_set_keys
-from parallel3d.config.hf_folder import apply_hf_folder, loaded_line
+from parallel3d.config.hf_folder import apply_hf_folder
 from parallel3d.config.schema import Config
 from parallel3d.config.strict import RecipeError
 from parallel3d.data import Prefetcher, StepSampler, Workers, build_train_data
@@ -50,7 +49,7 @@ from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.progress import Progress
 from parallel3d.runtime import watchdog
 from parallel3d.runtime.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, ensure_rank_log,
-                                         report_failure, warnings_to_log)
+                                         exit_if_stopped_before, note_stopped, report_failure, warnings_to_log)
 from parallel3d.runtime.guard import BadStepGuard, TrainingDiverged
 from parallel3d.runtime.process_group import init_distributed, report_hangs_in
 from parallel3d.runtime.rundir import (agree_on_run_dir, output_dir_is_run_dir, own_run_dir, register_rank0_dir,
@@ -86,7 +85,9 @@ def train(cfg: DictConfig) -> Path:
     checkpointer = Checkpointer(run_dir, c.checkpoint, timedelta(seconds=c.train.dist_timeout_s), progress=progress)
     state = TrainState(setup.parts, setup.optimizer, setup.scheduler)
     guard = BadStepGuard.for_run(c.train, c.debug)
-    start_step, data_offset = restore(checkpointer, state, c, is_rank0, config_yaml, guard)
+    start = restore(checkpointer=checkpointer, state=state, c=c, announce=is_rank0, config_yaml=config_yaml)
+    guard.load_state_dict(start.guard)
+    start_step, data_offset = start.step, start.data_offset
     if c.checkpoint.create_seed:
         save_seed(checkpointer, setup, config_yaml, is_rank0)
         return run_dir
@@ -289,12 +290,11 @@ class TrainLoop:
         c = self.setup.config
         self.batches.close()
         self.checkpointer.wait()
-        path = pick_checkpoint(self.checkpointer.root, "auto", announce=rank() == 0, verify=c.checkpoint.verify)
-        meta = self.checkpointer.load(path, self.state) if path is not None else None
+        found = load_verified(checkpointer=self.checkpointer, state=self.state, resume="auto",
+                              verify=c.checkpoint.verify, announce=rank() == 0)
+        meta = found[1] if found is not None else None
         if meta is None or meta["model_only"]:
-            raise TrainingDiverged(f"{self.guard.max_bad_steps} bad steps in a row up to step {step} "
-                                   f"({self.guard.reason}) and no checkpoint of this run to roll back to: training "
-                                   f"diverged. Set checkpoint.every to roll back, or lower optim.lr")
+            raise self.guard.nothing_to_roll_back_to(at_step=step, every=c.checkpoint.every)
         if c.train.float8_fsdp_all_gather:  # the loaded weights' float8 scales, not the abandoned ones'
             precompute_float8_scales([self.setup.model])
         to_step = meta["step"]
@@ -305,44 +305,6 @@ class TrainLoop:
         self.progress.write(line)
         self.batches = Prefetcher(self.sampler, to_step + 1, c.train.steps)
         return to_step
-
-
-
-def restore(checkpointer: Checkpointer, state: TrainState, c: Config, is_rank0: bool,
-            config_yaml: str, guard: BadStepGuard) -> tuple[int, int]:
-    """Resume (or load initial weights) as checkpoint.* says: the step done, and the data offset
-    (which includes any data a rollback skipped). ``guard`` gets the saved bad-step counts."""
-    for path in checkpointer.remove_incomplete():
-        print(f"parallel3d: removed incomplete checkpoint {path} (a save that did not finish)", flush=True)
-    path = pick_checkpoint(checkpointer.root, c.checkpoint.resume, announce=is_rank0, verify=c.checkpoint.verify)
-    if path is not None:
-        step = check_not_past_end(path, c.train.steps)
-        check_tokenizer(path, c.data, announce=is_rank0)
-        if is_rank0:
-            report_changes(path, config_yaml)
-        meta = checkpointer.load(path, state)
-        if is_rank0:
-            print(f"parallel3d: resumed from {path} (saved at {meta['layout']})", flush=True)
-            if step == c.train.steps:
-                print(f"parallel3d: {path.name} is at train.steps={step}: the run is complete, nothing to train "
-                      f"(raise train.steps to continue it; to evaluate it: parallel3d-evaluate {path} "
-                      f"eval.sources=[...])", flush=True)
-        if meta["model_only"]:  # a seed checkpoint: its weights, then a fresh start
-            return 0, 0
-        guard.load_state_dict(meta.get("guard", {}))
-        return meta["step"], meta["samples_seen"] - meta["step"] * c.train.global_batch_size
-    if c.checkpoint.init_from:
-        init_from = Path(c.checkpoint.init_from).expanduser()
-        if hf_folder.is_hf_dir(init_from):
-            check_hf_weights(init_from)
-        else:
-            verify_init_from(init_from, c.checkpoint.verify, announce=is_rank0)
-        checkpointer.load_weights(init_from, state, c.model)
-        if is_rank0 and hf_folder.is_hf_dir(init_from):
-            with torch.device("meta"):
-                size = num_params(Transformer(c.model))
-            print(loaded_line(init_from, n_params=size, tokenizer=c.data.tokenizer), flush=True)
-    return 0, 0
 
 
 def command_line() -> list[str]:
@@ -372,6 +334,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def run_job(cfg: DictConfig) -> None:
     """One run, every way it can end: done, a config error, divergence, a stop signal (requeue), or
     a failure (one line here, the traceback in run_dir/logs; see failures.py)."""
+    exit_if_stopped_before(_known_run_dir(cfg), rank())  # torchrun --max-restarts: nothing to retry
     try:
         refuse_multirun_under_torchrun()
         train(cfg)
@@ -379,6 +342,7 @@ def run_job(cfg: DictConfig) -> None:
         if rank() == 0:
             kind = "config error" if isinstance(e, ConfigError) else "training stopped"
             print(f"parallel3d: {kind}: {e}", file=sys.stderr, flush=True)
+            note_stopped(_known_run_dir(cfg), code=2 if isinstance(e, ConfigError) else 3, line=f"{kind}: {e}")
         else:  # torchrun kills the other ranks when one exits: let rank 0 say why first
             time.sleep(2)
         sys.exit(2 if isinstance(e, ConfigError) else 3)

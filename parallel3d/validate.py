@@ -93,7 +93,7 @@ def check(cfg, world_size: int, device: str | None = None):
     check_data(cfg)  # data sources, weights, eval
     _check_logging(cfg.logging)
     _check_profile(cfg.profile, cfg.debug, cfg.train.steps, world_size)
-    check_checkpoint(cfg.checkpoint, cfg.model, run_dir_of(cfg))
+    check_checkpoint(cfg.checkpoint, cfg.model, run_dir_of(cfg), world_size)
     check_ft(cfg)
     return cfg
 

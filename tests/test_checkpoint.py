@@ -22,12 +22,16 @@ from conftest import FAST, Run, assert_matches, launch, launch_batch, relative_e
 from parity_tolerance import Tolerance
 
 import parallel3d.checkpoint.checkpointer as checkpoint_module
+import parallel3d.checkpoint.commit as commit_module
 import parallel3d.checkpoint.manifest as manifest_module
 from parallel3d.base import RunError
-from parallel3d.checkpoint.checkpointer import COMPLETE, Checkpointer, TrainState, complete_steps, find_checkpoint
+from parallel3d.checkpoint.checkpointer import Checkpointer
+from parallel3d.checkpoint.commit import COMPLETE, META, complete_steps, find_checkpoint
 from parallel3d.checkpoint.errors import CheckpointError
-from parallel3d.checkpoint.manifest import read_manifest
+from parallel3d.checkpoint.manifest import MANIFEST, read_manifest
 from parallel3d.checkpoint.resume import pick_checkpoint
+from parallel3d.checkpoint.state import TrainState
+from parallel3d.checkpoint.unfinished import settle_unfinished
 from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
 from parallel3d.optim.schedule import build_lr_scheduler
@@ -248,17 +252,64 @@ def test_checkpoint_holds_no_pickle_and_loads_without_unpickling(tmp_path, monke
     ckpt.load(tmp_path / "checkpoints" / "step_1", _tiny_state(seed=1))
 
 
-def test_incomplete_checkpoints_are_ignored_then_removed(tmp_path):
-    state = _tiny_state()
-    ckpt = _checkpointer(tmp_path, every=1)
-    ckpt.save(2, state, {"samples_seen": 0}, "")
-    partial = tmp_path / "checkpoints" / "step_4"
-    shutil.copytree(tmp_path / "checkpoints" / "step_2", partial)
-    (partial / COMPLETE).unlink()  # killed before its marker was written
-    assert find_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_2"
-    assert pick_checkpoint(ckpt.root, "auto", announce=False) == tmp_path / "checkpoints" / "step_2"
-    ckpt.remove_incomplete()
-    assert not partial.exists() and (tmp_path / "checkpoints" / "step_2").exists()
+def _unfinished_copy(root: Path, step: int, *damage: str) -> Path:
+    """A copy of step_2 as step_<step>, without its COMPLETE marker, damaged as ``damage`` says."""
+    path = root / f"step_{step}"
+    shutil.copytree(root / "step_2", path)
+    (path / COMPLETE).unlink()
+    for what in damage:
+        if what == "truncate":
+            shard = next(path.glob("shard-*.safetensors"))
+            shard.write_bytes(shard.read_bytes()[:-4])
+        elif what == "flip":
+            shard = next(path.glob("shard-*.safetensors"))
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 1
+            shard.write_bytes(bytes(data))
+        elif what == "old meta":  # as a checkpoint saved before manifests existed
+            meta = json.loads((path / META).read_text())
+            del meta["manifest"]
+            (path / META).write_text(json.dumps(meta))
+        else:
+            (path / what).unlink()
+    return path
+
+
+def test_folders_without_their_marker_are_restored_removed_or_set_aside(tmp_path, capsys):
+    """Only what provably never finished is removed; a folder that verifies gets its marker back;
+    anything else is set aside, and a start left with nothing to resume stops instead of starting afresh."""
+    _checkpointer(tmp_path, every=1).save(2, _tiny_state(), {"samples_seen": 0}, "")
+    root = tmp_path / "checkpoints"
+    assert pick_checkpoint(root, "auto", announce=False) == root / "step_2"
+    lost_marker = _unfinished_copy(root, 4)
+    killed = [_unfinished_copy(root, 6, MANIFEST), _unfinished_copy(root, 8, MANIFEST, META)]
+    damaged, old = _unfinished_copy(root, 10, "flip"), _unfinished_copy(root, 12, MANIFEST, "old meta")
+    assert find_checkpoint(tmp_path) == root / "step_2"  # none of them is loaded as it is
+    settle_unfinished(root=root, verify="checksum", resume="auto", announce=True)
+    out, err = capsys.readouterr()
+    assert complete_steps(root) == [2, 4] and (lost_marker / COMPLETE).is_file()
+    assert f"restored the COMPLETE marker of {lost_marker}" in out
+    assert not any(p.exists() for p in killed) and all(f"removed incomplete checkpoint {p}" in out for p in killed)
+    aside = tmp_path / "set-aside"
+    assert sorted(p.name for p in aside.iterdir()) == ["step_10", "step_12"] and not damaged.exists()
+    assert f"{damaged} has no COMPLETE marker and does not verify" in err and "checksum mismatch" in err
+    assert f"{old} has no COMPLETE marker and no manifest.json" in err and f"set aside to {aside / 'step_12'}" in err
+    first_save_killed = tmp_path / "other" / "checkpoints"
+    shutil.copytree(killed_source := _unfinished_copy(root, 16, MANIFEST), first_save_killed / "step_16")
+    shutil.rmtree(killed_source)
+    settle_unfinished(root=first_save_killed, verify="checksum", resume="auto", announce=True)
+    assert f"no checkpoint in {first_save_killed} had finished: starting from step 1" in capsys.readouterr().out
+    _unfinished_copy(root, 14, "truncate")
+    for step in (2, 4):  # every marker gone: the intact folders come back, the damaged one is set aside
+        (root / f"step_{step}" / COMPLETE).unlink()
+    settle_unfinished(root=root, verify="none", resume="auto", announce=False)  # still checks the sizes
+    assert complete_steps(root) == [2, 4] and (aside / "step_14").is_dir()
+    for step in (2, 4):  # nothing left that verifies: a stop in one line, never a fresh start
+        (root / f"step_{step}" / COMPLETE).unlink()
+        (root / f"step_{step}" / "config.yaml").write_text("edited: true\n")
+    with pytest.raises(CheckpointError, match=rf"no complete checkpoint is left in {root} \(2 set aside: .*"
+                                              r"Fix: check that folder .*checkpoint.resume=none to start afresh"):
+        settle_unfinished(root=root, verify="size", resume="auto", announce=False)
 
 
 def test_keep_last_prunes_older_checkpoints_marker_first(tmp_path, monkeypatch):
@@ -295,7 +346,7 @@ def _saves_on_two_ranks(rank: int, folder: Path) -> None:
     polls, error = 0, None
     for step in (2, 3):
         if step == 3 and rank == 0:  # rank 0's meta.json write fails: rank 1's commit has nothing to fail
-            checkpoint_module._write_atomic = lambda path, text: (_ for _ in ()).throw(OSError(5, "injected", path))
+            commit_module.write_atomic = lambda path, text: (_ for _ in ()).throw(OSError(5, "injected", path))
         ckpt.save(step, state, {"samples_seen": 0}, "")
         try:
             while ckpt._pending is not None:
@@ -349,7 +400,7 @@ def test_resume_takes_a_step_folder_a_checkpoints_folder_or_a_run_dir(tmp_path):
 def test_optimizer_state_is_named_by_parameter_whatever_the_group_order():
     """AdamW's no-decay group (the norms) comes after the decay group, unlike the model's order:
     each saved moment must still carry its own parameter's name and shape."""
-    from parallel3d.checkpoint.checkpointer import state_dict
+    from parallel3d.checkpoint.state import state_dict
     from parallel3d.optim.adamw import build_optimizer, init_optimizer_state
 
     model = Transformer(ModelConfig(n_layers=2))

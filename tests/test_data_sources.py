@@ -43,6 +43,16 @@ def test_every_source_kind_reads_its_documents_in_order(tmp_path):
     assert src.source_name(str(tmp_path / "b.jsonl.gz")) == "b" and src.source_name("x/wiki/") == "wiki"
 
 
+def test_json_lines_of_any_size_are_read(tmp_path):
+    """pyarrow reads JSON in 1 MiB blocks and refuses a line longer than one: a 3 MB and a 100 MB
+    document (and a 3 MB one gzipped) read whole, with the short ones around them."""
+    texts = ["short", "x" * 3_000_000, "y" * 100_000_000, "last"]
+    path = write_jsonl(tmp_path / "long.jsonl", texts)
+    assert _read(path) == texts
+    assert src._longest_line(path) == len(json.dumps({"text": texts[2], "id": 2}))
+    assert _read(write_jsonl(tmp_path / "long.jsonl.gz", texts[:2], gz=True)) == texts[:2]
+
+
 def _one_line_error(exc: pytest.ExceptionInfo, *parts: str) -> str:
     message = str(exc.value)
     assert "\n" not in message and "Fix:" in message, message

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from parallel3d.base import RunError, resolve_device
-from parallel3d.checkpoint.checkpointer import META
+from parallel3d.checkpoint.commit import META
 from parallel3d.checkpoint.resume import check_not_past_end
 from parallel3d.config.compose import compose
 from parallel3d.launch.run import first_config_error

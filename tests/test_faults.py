@@ -371,3 +371,36 @@ def test_warnings_of_other_ranks_go_to_their_log_file(tmp_path, monkeypatch, cap
     text = log.read_text()
     assert "UserWarning: every rank says this" in text and "torch says this on every rank" in text
     assert "a library says this" in text
+
+
+def test_a_run_that_stopped_on_purpose_is_not_retried_by_max_restarts(tmp_path, monkeypatch, capsys):
+    """Exit 3 (a bad step that stops the run) noted by rank 0: the attempt torchrun --max-restarts
+    starts after it exits 3 at once with the same line, without training; a new command runs."""
+    from parallel3d import train as train_module
+    from parallel3d.config.compose import compose
+    from parallel3d.runtime.failures import RESTART_ENV, STOPPED_NOTE
+    from parallel3d.runtime.guard import TrainingDiverged
+
+    cfg = compose([f"run_dir={tmp_path}", *FAST])
+    attempts = []
+
+    def diverges(cfg):
+        attempts.append(os.environ.get(RESTART_ENV))
+        raise TrainingDiverged("3 bad steps in a row up to step 4 (loss nan)")
+
+    monkeypatch.setattr(train_module, "train", diverges)
+    monkeypatch.setattr(train_module, "command_line", lambda: [])
+    for restart in ("0", "1", "2"):  # the first attempt, then torchrun's restarts
+        monkeypatch.setenv(RESTART_ENV, restart)
+        with pytest.raises(SystemExit) as stopped:
+            train_module.run_job(cfg)
+        assert stopped.value.code == 3
+    assert attempts == ["0"]  # trained once
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "parallel3d: training stopped: 3 bad steps in a row up to step 4 (loss nan)"
+    assert err[1:] == ["parallel3d: not restarted: the attempt before stopped on purpose (exit 3), and a restart "
+                       "would stop the same way: training stopped: 3 bad steps in a row up to step 4 (loss nan)"] * 2
+    monkeypatch.setenv(RESTART_ENV, "0")  # the same command again, by hand: it runs
+    with pytest.raises(SystemExit):
+        train_module.run_job(cfg)
+    assert attempts == ["0", "0"] and (tmp_path / STOPPED_NOTE).is_file()

@@ -164,3 +164,16 @@ def test_bad_steps_in_a_row_roll_back_once_and_a_resume_continues_the_same_data(
     resumed = _metrics(one_process["resumed"].run_dir)
     assert [r["step"] for r in resumed] == [11, 12] and resumed[-1]["skipped_steps"] == 2
     assert [r["loss"] for r in resumed] == [r["loss"] for r in rows[10:]]  # the same layout: bit for bit
+
+
+def test_no_checkpoint_to_roll_back_to_says_what_checkpoint_every_would_change():
+    from parallel3d.config.schema import DebugConfig, TrainConfig
+    from parallel3d.runtime.guard import BadStepGuard
+
+    guard = BadStepGuard.for_run(TrainConfig(max_bad_steps=2), DebugConfig())
+    unset = str(guard.nothing_to_roll_back_to(at_step=3, every=0))
+    assert "2 bad steps in a row up to step 3" in unset and unset.endswith("or set checkpoint.every to roll back")
+    due_later = str(guard.nothing_to_roll_back_to(at_step=3, every=5))
+    assert "Set checkpoint.every" not in due_later and "set checkpoint.every" not in due_later, due_later
+    assert due_later.endswith("checkpoint.every=5 saves its first checkpoint at step 5: set it below 3 to roll back "
+                              "that early")

@@ -21,7 +21,9 @@ from parity_tolerance import ONE_PASS
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer
+
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.cli import convert_hf
 from parallel3d.config.compose import compose
 from parallel3d.config.schema import CheckpointConfig, ModelConfig

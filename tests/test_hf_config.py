@@ -14,7 +14,8 @@ from hf_files import tiny_qwen3, token_batch
 from omegaconf import OmegaConf
 
 from parallel3d.base import ConfigError
-from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.config.compose import compose, user_set_keys
 from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_hash
@@ -142,3 +143,35 @@ def test_tokenizer_folder_declares_its_special_tokens(folders, tmp_path):
     (llama / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|im_start|>"}))
     tok = load_tokenizer(str(llama))
     assert (tok.token(tok.bos_id), tok.token(tok.eos_id)) == ("<|im_start|>", "<|endoftext|>")
+
+
+SIZING = {  # config.json field: a value no machine holds
+    "num_hidden_layers": 10**9,
+    "hidden_size": 2**24,
+    "vocab_size": 10**12,
+    "intermediate_size": 10**12,
+}
+
+
+@pytest.mark.parametrize("field", SIZING)
+def test_a_config_too_large_to_build_is_refused_before_anything_is_built(folders, tmp_path, field, monkeypatch):
+    """The parameter count comes from config.json alone (one block of each kind on the meta
+    device): 10^9 layers are refused in one line naming the folder, the field and the estimate,
+    without building the model layer by layer."""
+    import time
+
+    from parallel3d.models import llama
+    from parallel3d.validate import check
+
+    folder = shutil.copytree(folders["qwen3"], tmp_path / "copy")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {field: SIZING[field]}))
+    monkeypatch.setattr(llama.Transformer, "__init__", lambda *a, **k: pytest.fail("the model was built"))
+    start = time.process_time()
+    with pytest.raises(ConfigError, match=rf"^checkpoint.init_from={folder}: its config.json has {field}="
+                                          rf"{SIZING[field]}: a model of .* parameters, at least .* GiB of model "
+                                          r"state a rank \(16 bytes a parameter over 2 ranks\), more than the .* GiB "
+                                          rf"a rank has. Fix: check {field} in {folder}/config.json") as e:
+        check(compose([f"checkpoint.init_from={folder}", "train.steps=4", "optim.warmup_steps=1"]), 2)
+    assert "\n" not in str(e.value) and time.process_time() - start < 10
+    check(compose([f"checkpoint.init_from={folders['qwen3']}", "train.steps=4", "optim.warmup_steps=1"]), 2)

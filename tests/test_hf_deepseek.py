@@ -11,7 +11,9 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer
+
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.config.compose import compose
 from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.hf import families

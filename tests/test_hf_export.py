@@ -15,7 +15,9 @@ from conftest import FAST, launch_batch
 from hf_files import TEXT, tiny_qwen3, token_batch
 from safetensors.torch import load_file, save_file
 
-from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer
+
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.cli import convert_hf
 from parallel3d.config.schema import CheckpointConfig
 from parallel3d.data.tokenizer import load_tokenizer

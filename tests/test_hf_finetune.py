@@ -103,7 +103,9 @@ def test_lora_starts_from_the_folder_with_fresh_adapters(tmp_path):
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+    from parallel3d.checkpoint.checkpointer import Checkpointer
+
+    from parallel3d.checkpoint.state import TrainState
     from parallel3d.config.compose import compose
     from parallel3d.config.schema import CheckpointConfig, ModelConfig
     from parallel3d.models import Transformer

@@ -13,7 +13,8 @@ import torch
 from omegaconf import OmegaConf
 
 from parallel3d.base import ConfigError
-from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.config.compose import compose
 from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.hf import families

@@ -55,11 +55,13 @@ def test_large_files_hash_in_blocks_and_a_flip_names_its_block(tmp_path, monkeyp
     write_manifest(tmp_path, ["big.bin"])
     hashes = read_manifest(tmp_path)["files"]["big.bin"]["xxh3_64"]
     assert hashes == [hash_of(tmp_path / "big.bin", start, 1000) for start in (0, 1000, 2000)]
-    monkeypatch.setattr(manifest_module, "BLOCK", 7)  # the manifest's own block size decides the check
     data = bytearray((tmp_path / "big.bin").read_bytes())
     data[2100] ^= 1
     (tmp_path / "big.bin").write_bytes(bytes(data))
     assert "big.bin: checksum mismatch in bytes 2000..2560" in verify_manifest(tmp_path, "checksum")
+    monkeypatch.setattr(manifest_module, "BLOCK", 7)  # a block size other than the writer's: not taken
+    assert verify_manifest(tmp_path, "size") == (f"{tmp_path / MANIFEST} is unreadable (block_bytes 1000: this "
+                                                 f"version writes 7)")
 
 
 def test_unlisted_files_fail_unless_ignored(tmp_path):
@@ -132,3 +134,62 @@ def test_ranks_split_the_verification_and_agree_on_the_first_problem(tmp_path, m
         alone = verify_manifest(tmp_path, "checksum")
         assert f"big.bin: checksum mismatch in bytes {flipped // 1000 * 1000}.." in alone
         assert _verify_on_two_ranks(tmp_path, monkeypatch)[0] == {0: alone, 1: alone}
+
+
+def _hostile(folder, edit) -> str | None:
+    """``folder``'s manifest changed by ``edit`` (a function of the parsed manifest), then verified."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    edit(manifest)
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return verify_manifest(folder, "checksum")
+
+
+HOSTILE = {  # case: (edit of the manifest, what the line says)
+    "tiny blocks": (lambda m: m.update(block_bytes=1), "block_bytes 1: this version writes"),
+    "no block size": (lambda m: m.pop("block_bytes"), "block_bytes None"),
+    "zero block size": (lambda m: m.update(block_bytes=0), "block_bytes 0"),
+    "block size as text": (lambda m: m.update(block_bytes=str(m["block_bytes"])), "block_bytes '"),
+    "another format": (lambda m: m.update(format=99), "format 99"),
+    "another checksum": (lambda m: m.update(checksum="md5"), "checksum 'md5'"),
+    "a null entry": (lambda m: m["files"].update({"a.bin": None}), "entry 'a.bin' has no size"),
+    "no size": (lambda m: m["files"]["a.bin"].pop("size"), "entry 'a.bin' has no size"),
+    "size as text": (lambda m: m["files"]["a.bin"].update(size="25600"), "entry 'a.bin' has no size"),
+    "negative size": (lambda m: m["files"]["a.bin"].update(size=-1), "entry 'a.bin' has no size"),
+    "no hashes": (lambda m: m["files"]["a.bin"].pop("xxh3_64"), "does not have one xxh3_64 hash per"),
+    "too many hashes": (lambda m: m["files"]["a.bin"]["xxh3_64"].append("0"), "does not have one xxh3_64 hash"),
+    "not an object": (lambda m: m.update(files=[]), "has no files table"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_manifest_is_unreadable_in_one_line(tmp_path, case):
+    edit, said = HOSTILE[case]
+    line = _hostile(folder_with_manifest(tmp_path), edit)
+    assert line.startswith(f"{tmp_path / MANIFEST} is unreadable (") and said in line, line
+
+
+def test_a_manifest_naming_files_outside_its_folder_reads_none_of_them(tmp_path, monkeypatch):
+    """A path that climbs out, an absolute one, a link to outside: each with its true hash, and
+    still refused before anything is hashed."""
+    (tmp_path / "folder").mkdir()
+    folder, outside = folder_with_manifest(tmp_path / "folder"), tmp_path / "secret.bin"
+    outside.write_bytes(b"secret" * 100)
+    (folder / "link.bin").symlink_to(outside)
+    true_entry = file_entries(tmp_path, [outside])["secret.bin"]
+    hashed = []
+    monkeypatch.setattr(manifest_module, "_hash_blocks", lambda folder, blocks, block: hashed.extend(blocks) or [])
+    for name in ("../secret.bin", str(outside), "sub/../../secret.bin", "link.bin"):
+        line = _hostile(folder, lambda m: m["files"].update({name: true_entry}))
+        assert line == f"{folder / MANIFEST} is unreadable (entry {name!r} names a file outside the folder)", line
+        manifest = json.loads((folder / MANIFEST).read_text())
+        del manifest["files"][name]
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+    assert hashed == []
+
+
+def test_a_huge_or_binary_manifest_is_unreadable_at_once(tmp_path, monkeypatch):
+    folder = folder_with_manifest(tmp_path)
+    (folder / MANIFEST).write_bytes(b"\xff\xfe" * 10)
+    assert "is unreadable (not UTF-8" in verify_manifest(folder, "size")
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 10)
+    assert "more than any manifest this version writes" in verify_manifest(folder, "size")

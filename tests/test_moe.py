@@ -140,7 +140,8 @@ def test_qk_norm_normalizes_each_head():
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_sigmoid_router_bias_moves_towards_even_load_and_is_checkpointed(tmp_path):
-    from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+    from parallel3d.checkpoint.checkpointer import Checkpointer
+    from parallel3d.checkpoint.state import TrainState
     from parallel3d.config.schema import CheckpointConfig
     from parallel3d.parallel.expert import expert_metrics, reduce_expert_loads, update_router_bias
 

@@ -26,7 +26,7 @@ from conftest import Run, env, launch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from parallel3d.checkpoint.checkpointer import COMPLETE, META, complete_steps
+from parallel3d.checkpoint.commit import COMPLETE, META, complete_steps
 from parallel3d.launch.run import pin_run_dir, restart_env
 
 STEPS, EVERY = 24, 4

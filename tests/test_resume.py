@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from parallel3d.base import ConfigError, RunError
-from parallel3d.checkpoint.resume import (check_hf_weights, check_not_past_end, checkpoint_problem, config_changes,
-                                          pick_checkpoint)
+from parallel3d.checkpoint.resume import check_not_past_end, config_changes, pick_checkpoint
+from parallel3d.checkpoint.verify import check_hf_weights, checkpoint_problem
 from parallel3d.config.schema import OptimConfig
 from parallel3d.optim.schedule import build_lr_scheduler, lr_factor, set_schedule_step
 
@@ -123,3 +123,35 @@ def test_a_resume_with_another_tokenizer_is_refused_unless_allowed(tmp_path):
     check_tokenizer(step_2, DataConfig(tokenizer=other), announce=False)
     with pytest.raises(ConfigError, match="another tokenizer than the checkpoint's"):
         check_tokenizer(step_2, DataConfig(tokenizer=str(edited)), announce=False)
+
+
+def test_validation_reads_a_saved_config_only_once_it_verifies(tmp_path):
+    """A damaged config.yaml in the newest checkpoint is neither parsed raw nor taken for the
+    user's mistake: validation judges the newest checkpoint whose config verifies, and the resume
+    falls back past the damaged one, naming it."""
+    from omegaconf import OmegaConf
+
+    from parallel3d.checkpoint.checkpointer import Checkpointer
+    from parallel3d.checkpoint.checks import check_checkpoint
+    from parallel3d.checkpoint.state import TrainState
+    from parallel3d.config.schema import CheckpointConfig, ModelConfig
+    from parallel3d.models import Transformer
+
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
+    model, m = Transformer(cfg), OmegaConf.structured(cfg)
+    saved_yaml = OmegaConf.to_yaml({"model": m})
+    for step in (2, 4):
+        Checkpointer(tmp_path, CheckpointConfig()).save(step, TrainState([model]), {"samples_seen": 0}, saved_yaml)
+    root, ck = tmp_path / "checkpoints", CheckpointConfig()
+    config = root / "step_4" / "config.yaml"
+    for damaged in ("model: [\n", "", saved_yaml.replace("n_layers: 1", "n_layers: 7"), None):
+        config.unlink(missing_ok=True)
+        if damaged is not None:
+            config.write_text(damaged)
+        check_checkpoint(ck, m, tmp_path)  # no parser error, no advice to change the (right) model
+        assert pick_checkpoint(root, "auto", announce=False) == root / "step_2"
+    other = OmegaConf.structured(ModelConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                             vocab_size=64, max_seq_len=16))
+    with pytest.raises(ConfigError, match="step_2 holds a model with model.n_layers=1, this run builds "
+                                          "model.n_layers=3"):
+        check_checkpoint(ck, other, tmp_path)  # the one that verifies is still judged

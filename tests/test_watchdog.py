@@ -36,6 +36,33 @@ def test_describe_names_silent_late_and_frozen_ranks():
     assert "every rank is alive at step 7" in hang_line(Hang(7, "", [], {0: 7, 1: 7}), 0)
 
 
+def test_a_dead_peer_is_named_in_the_collective_that_failed_not_where_the_error_is_handled(tmp_path):
+    """A peer that died fails the collective at once, before the watchdog fired: the diagnosis then
+    names the collective the error was raised in (its traceback), not run_job, which handles it."""
+    import torch.distributed as dist
+
+    from parallel3d.runtime import watchdog
+
+    code = {}  # frames that look like torch's collective and our caller
+    exec(compile("import torch.distributed as dist\ndef all_reduce():\n    raise dist.DistError('Connection closed "
+                 "by peer')\n", "/site-packages/torch/distributed/distributed_c10d.py", "exec"), code)
+    exec(compile("def update_allowed(all_reduce):\n    all_reduce()\n", "/repo/parallel3d/runtime/guard.py", "exec"),
+         code)
+    store = dist.HashStore()
+    store.set(f"{watchdog.KEY}0", "5 7")  # rank 1 never beats again: dead
+    watchdog._current = watchdog.Watchdog(store=store, rank=0, world_size=2, timeout_s=2, log_path=tmp_path / "r0.log")
+    try:
+        try:
+            code["update_allowed"](code["all_reduce"])
+        except dist.DistError as e:
+            line = str(watchdog.explain(e))
+    finally:
+        watchdog._current = None
+    assert "rank 1 stopped answering (no heartbeat) while rank 0 waited at step 0 in all_reduce called from " \
+           "parallel3d/runtime/guard.py:2 (update_allowed): a collective failed" in line, line
+    assert "run_job" not in line and "test_watchdog" not in line
+
+
 def _workers(root_pid: int) -> dict[int, int]:
     """rank -> pid of torchrun's workers (processes whose environment has RANK)."""
     found, todo = {}, [root_pid]

@@ -10,12 +10,11 @@
     config.yaml                the resolved config of the run that saved it
     manifest.json              every file above with its size and XXH3 hashes (parallel3d/checkpoint/manifest.py),
                                checked before a resume loads anything (resume.pick_checkpoint)
-    COMPLETE                   written last: a folder without it is ignored, then removed
+    COMPLETE                   written last (checkpoint/commit.py): a folder without it is not loaded
 
-Keys do not depend on the layout: a parameter is saved under its full-model name
-(``layers.3.attention.wq.weight``) and each optimizer state tensor as ``optimizer/<name>/<state>``
-in the parameter's global shape, so DCP reshards both to whatever dp/tp/pp the loader runs.
-Nothing is unpickled on load: tensors and their sharding come from safetensors, the rest from JSON.
+Keys do not depend on the layout (checkpoint/state.py), so DCP reshards to whatever dp/tp/pp the
+loader runs; ``checkpoint.init_from`` loads initial weights (checkpoint/init_from.py). Nothing is
+unpickled on load: tensors and their sharding come from safetensors, the rest from JSON.
 
 A save refuses a model or optimizer holding NaN or Inf (every rank checks its shards, one
 all-reduce decides), so no non-finite checkpoint exists; ``keep_last`` removes older checkpoints
@@ -28,11 +27,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,89 +39,18 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from parallel3d.base import rank
+from parallel3d.checkpoint import commit as protocol
+from parallel3d.checkpoint.commit import COMPLETE, META, complete_steps
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
-from parallel3d.checkpoint.manifest import file_entries, verify_manifest, write_manifest
-from parallel3d.config import hf_folder
+from parallel3d.checkpoint.init_from import load_initial_weights
+from parallel3d.checkpoint.manifest import MANIFEST, file_entries, read_manifest
+from parallel3d.checkpoint.reader import VerifyingReader
+from parallel3d.checkpoint.state import (TrainState, finish_load, model_targets, optimizer_entries, scheduler_state,
+                                         state_dict)
 from parallel3d.config.schema import CheckpointConfig
-from parallel3d.hf import families
-from parallel3d.models.lora import is_adapter
 from parallel3d.optim.adamw import init_optimizer_state
 from parallel3d.optim.schedule import set_schedule_step
 from parallel3d.progress import Progress
-
-COMPLETE, META = "COMPLETE", "meta.json"
-_SHARD = "shard-{:05d}-"  # the start of rank r's file name: DCP's HuggingFaceStorageWriter numbers them r + 1
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint saves and restores: this rank's model parts, optimizer and LR schedule."""
-
-    parts: list[nn.Module]
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Full-model names, in the optimizer's order. A tied copy on a second part repeats a name."""
-        return [(name, p) for part in self.parts for name, p in part.named_parameters()]
-
-    def persistent_buffers(self) -> dict[str, torch.Tensor]:
-        """State that is not a parameter but is trained (the sigmoid MoE router's balancing bias)."""
-        return {f"{prefix}.{name}": buf for part in self.parts for prefix, module in part.named_modules()
-                for name, buf in module._buffers.items()
-                if buf is not None and name not in module._non_persistent_buffers_set}
-
-
-def complete_steps(root: Path) -> list[int]:
-    if not root.is_dir():
-        return []
-    found = (_STEP_DIR.match(p.name) for p in root.iterdir() if (p / COMPLETE).is_file())
-    return sorted(int(m.group(1)) for m in found if m)
-
-
-def find_checkpoint(path: Path) -> Path | None:
-    """The newest complete checkpoint at ``path``: a step folder, a checkpoints/ folder or a run_dir."""
-    if (path / COMPLETE).is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        steps = complete_steps(root)
-        if steps:
-            return root / f"step_{steps[-1]}"
-    return None
-
-
-def _model_targets(state: TrainState, keys=lambda name, param: {name: param}) -> tuple[dict, list]:
-    """DCP load targets: one tensor per key (loaded in place), and the duplicates to copy it into.
-    ``keys``: the stored keys of a parameter and the tensors (it, or views of it) they load into."""
-    targets, copies = {}, []
-    for name, param in state.named_parameters():
-        for key, target in keys(name, param.detach()).items():
-            if key in targets:
-                copies.append((target, targets[key]))
-            else:
-                targets[key] = target
-    return targets, copies
-
-
-def _optimizer_entries(state: TrainState):
-    """(key, state tensor) for each tensor of the optimizer state, keyed by its parameter's name
-    (found by identity: the optimizer's groups, decay and no decay, order parameters otherwise)."""
-    name_of = {id(p): name for name, p in state.named_parameters() if p.requires_grad}  # LoRA's base is frozen
-    optimizer_params = [q for group in state.optimizer.param_groups for q in group["params"]]
-    assert len(optimizer_params) == len(name_of), "the optimizer must hold exactly the parts' trainable parameters"
-    for q in optimizer_params:
-        name = name_of[id(q)]
-        for key, value in state.optimizer.state.get(q, {}).items():
-            if isinstance(value, torch.Tensor):
-                yield f"optimizer/{name}/{key}", value
-
-
-def state_dict(state: TrainState) -> dict[str, torch.Tensor]:
-    tensors = {name: p.detach() for name, p in state.named_parameters()} | state.persistent_buffers()
-    if state.optimizer is not None:
-        tensors.update(_optimizer_entries(state))
-    return tensors
 
 
 class Checkpointer:
@@ -150,18 +75,6 @@ class Checkpointer:
         if self.group is not None:
             dist.barrier(group=self.group)
 
-    def remove_incomplete(self) -> list[Path]:
-        """Partial checkpoints left by a kill: never loaded, removed before this run saves.
-        Returns them (on rank 0) for the run to report."""
-        removed = []
-        if self.rank == 0 and self.root.is_dir():
-            for path in sorted(self.root.iterdir()):
-                if _STEP_DIR.match(path.name) and not (path / COMPLETE).is_file():
-                    shutil.rmtree(path, ignore_errors=True)
-                    removed.append(path)
-        self._barrier()
-        return removed
-
     # -- saving ---------------------------------------------------------------------------
 
     def save(self, step: int, state: TrainState, meta: dict, config_yaml: str) -> None:
@@ -174,8 +87,9 @@ class Checkpointer:
         self.progress.saving(path.name)
         self._agree(path, lambda: self._prepare(path, config_yaml))
         self._agree(path, lambda: self._save_rng(path))
+        # "manifest": saved with one, so a copy that lost it is damaged, not a checkpoint from before manifests.
         meta = {**meta, "step": step, "world_size": self.world_size, "model_only": state.optimizer is None,
-                "scheduler": _scheduler_state(state.scheduler)}
+                "scheduler": scheduler_state(state.scheduler), "manifest": MANIFEST}
         writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
         with self._discarded_on_failure(path):
             if self.cfg.async_save:
@@ -277,44 +191,42 @@ class Checkpointer:
         ``written``: the asynchronous save's future, waited for first (this runs in its own thread)."""
         if written is not None:
             written.result()
-        return file_entries(path, _own_files(path, self.rank))
+        return file_entries(path, protocol.own_files(path, self.rank))
 
     def _commit(self, path: Path, meta: dict, entries: list[dict[str, dict]]) -> None:
         """Rank 0, once every rank has written and hashed its files (``entries``, one per rank):
         meta.json, the manifest (rank 0 hashes what no rank did: meta.json, config.yaml), COMPLETE."""
         if self.rank != 0:
             return
-        _write_atomic(path / META, json.dumps(meta, indent=2))
-        hashed = {name: entry for own in entries for name, entry in own.items()}
-        write_manifest(path, [p for p in path.rglob("*") if p.is_file()], entries=hashed)
-        _write_atomic(path / COMPLETE, "")
+        protocol.commit(path, meta=meta, entries=entries)
         self.progress.saved(path.name)  # an async save: steps after it started, from poll() or wait()
-        # Older checkpoints go only once this one is committed and its files match the manifest.
-        if self.cfg.keep_last > 0 and verify_manifest(path, "size", ignore=[COMPLETE]) is None:
-            for old in complete_steps(self.root)[: -self.cfg.keep_last]:
-                remove_checkpoint(self.root / f"step_{old}")
+        protocol.rotate(path, self.cfg.keep_last)
 
     # -- loading --------------------------------------------------------------------------
 
-    def load(self, path: Path, state: TrainState) -> dict:
+    def load(self, path: Path, state: TrainState, *, hash_shards: bool = False) -> dict:
         """Restore ``state`` from checkpoint ``path`` at this run's layout; returns its meta.json.
-        ``path`` is trusted: resume.pick_checkpoint verifies it first."""
+        ``path`` is verified first (resume.pick_checkpoint). ``hash_shards``: the shards' blocks
+        after their first (which the pick verified, with ``hashed_at_load``) are hashed against the
+        manifest as the load reads them (checkpoint/reader.py; a mismatch raises a CheckpointError
+        caused by ChecksumMismatch on every rank, before its bytes are used)."""
         with checkpoint_errors(path, saving=False, every_rank=True):
-            return self._load(path, state)
+            return self._load(path, state, hash_shards)
 
-    def _load(self, path: Path, state: TrainState) -> dict:
+    def _load(self, path: Path, state: TrainState, hash_shards: bool) -> dict:
         meta = json.loads((path / META).read_text())
-        targets, copies = _model_targets(state)
+        targets, copies = model_targets(state)
         targets |= state.persistent_buffers()
         if state.optimizer is not None and not meta["model_only"]:
             init_optimizer_state(state.optimizer)
-            for key, value in _optimizer_entries(state):
+            for key, value in optimizer_entries(state):
                 twin = targets.setdefault(key, value)  # set already: a tied copy's state, filled from its twin
                 if twin is not value:
                     copies.append((value, twin))
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
-                 no_dist=self.group is None)
-        _finish_load(copies)
+        reader = (VerifyingReader(str(path), read_manifest(path)) if hash_shards and (path / MANIFEST).is_file()
+                  else HuggingFaceStorageReader(str(path)))
+        dcp.load(targets, storage_reader=reader, process_group=self.group, no_dist=self.group is None)
+        finish_load(copies)
         if state.scheduler is not None and not meta["model_only"]:  # the config's schedule, at the saved step
             set_schedule_step(state.scheduler, meta["step"])
         rng_file = path / "rng" / f"rank_{self.rank}.safetensors"
@@ -327,24 +239,7 @@ class Checkpointer:
 
     def load_weights(self, path: Path, state: TrainState, model_cfg) -> None:
         """Initial weights only, from one of our checkpoints or a Hugging Face Llama folder."""
-        if hf_folder.is_hf_dir(path):
-            hf_folder.check_agrees(path, model_cfg)
-            targets, copies = _model_targets(state, lambda name, param: families.base_hf_tensors(name, param, model_cfg))
-            if families.exported_buffers(model_cfg):
-                targets |= {key: t for name, buf in state.persistent_buffers().items()
-                            for key, t in families.hf_tensors(name, buf, model_cfg).items()}
-        else:
-            found = find_checkpoint(path)
-            if found is None:
-                raise FileNotFoundError(f"checkpoint.init_from={path}: neither a checkpoint nor a Hugging Face folder")
-            path = found
-            targets, copies = _model_targets(state)
-        # LoRA adapters start as LoRA does (B = 0) on whatever base is loaded: init_from gives the base.
-        targets = {key: t for key, t in targets.items() if not is_adapter(key)}
-        with checkpoint_errors(path, saving=False, every_rank=True):
-            dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=self.group,
-                     no_dist=self.group is None)
-        _finish_load(copies)
+        load_initial_weights(path=path, state=state, model_cfg=model_cfg, group=self.group)
 
 
 @contextlib.contextmanager
@@ -362,50 +257,6 @@ def _quiet_gathers():
         yield
     finally:
         logger.removeFilter(keep)
-
-
-@torch.no_grad()
-def _finish_load(copies) -> None:
-    for dest, src in copies:
-        dest.copy_(src)
-
-
-def _scheduler_state(scheduler) -> dict | None:
-    if scheduler is None:
-        return None
-    return scheduler.state_dict()  # plain numbers (a partial's lr_lambdas entry is its empty __dict__): JSON
-
-
-def _own_files(path: Path, rank: int) -> list[Path]:
-    """The files rank ``rank`` wrote: its RNG state and its shards. Raises when one is not there."""
-    rng = path / "rng" / f"rank_{rank}.safetensors"
-    shards = sorted(path.glob(_SHARD.format(rank + 1) + "*.safetensors"))
-    missing = f"rng/{rng.name}" if not rng.is_file() else None if shards else f"{_SHARD.format(rank + 1)}*.safetensors"
-    if missing:
-        raise CheckpointError(f"saving {path} failed: rank {rank}'s {missing} was not written. Fix: check the file "
-                              f"system; the previous checkpoint is intact and the run resumes from it")
-    return [rng, *shards]
-
-
-def remove_checkpoint(path: Path) -> None:
-    """Delete checkpoint ``path``, its COMPLETE marker first (made durable): a kill in the middle
-    leaves an incomplete folder, removed at the next start, never a complete one with files missing."""
-    (path / COMPLETE).unlink(missing_ok=True)
-    folder = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def full_model_state(parts: list[nn.Module], pp_mesh) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ class NonFiniteState(CheckpointError):
     """The model or optimizer holds NaN or Inf at a save: it is not written."""
 
 
-def _first_failure(error: BaseException) -> BaseException:
+def first_failure(error: BaseException) -> BaseException:
     """The underlying error of the lowest failing rank of a CheckpointException."""
     while isinstance(error, CheckpointException) and error.failures:
         error = error.failures[min(error.failures)][0]
@@ -42,7 +42,7 @@ def _first_failure(error: BaseException) -> BaseException:
 
 def failure_line(error: BaseException, path: Path, saving: bool) -> str:
     """One line: which file, what went wrong, and the fix."""
-    cause = _first_failure(error)
+    cause = first_failure(error)
     where = Path(getattr(cause, "filename", None) or path)
     if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
         return (f"disk full writing {where}: free space on its file system (or set checkpoint.keep_last lower, "

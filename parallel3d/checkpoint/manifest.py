@@ -26,7 +26,7 @@ import json
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterable
 
 import torch.distributed as dist
@@ -114,15 +114,65 @@ def write_manifest(folder: Path, files: Iterable[str | Path], *, entries: dict[s
 
 
 def read_manifest(folder: Path) -> dict:
-    """The manifest of ``folder``; ManifestMissing when there is none, ValueError when it is corrupt."""
+    """The manifest of ``folder``; ManifestMissing when there is none, ValueError when it is corrupt
+    or hostile: only what this version writes is taken (its format, checksum and block size, every
+    entry a size and its blocks' hashes, every name a file inside ``folder``), so verifying it
+    costs what the files cost and never reads outside the folder."""
     path = Path(folder) / MANIFEST
     try:
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes, more than any manifest this version writes")
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise ManifestMissing(f"{path} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 ({e.reason})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise ValueError(f"{path} has no files table")
+    for key, wanted in (("format", _FORMAT), ("checksum", CHECKSUM), ("block_bytes", BLOCK)):
+        if manifest.get(key) != wanted or type(manifest.get(key)) is not type(wanted):
+            raise ValueError(f"{key} {manifest.get(key)!r}: this version writes {wanted!r}")
+    inside = Path(folder).resolve()
+    for name, entry in manifest["files"].items():
+        _check_entry(inside, name, entry)
     return manifest
+
+
+MAX_MANIFEST_BYTES = 64 << 20  # a real one lists a few hundred bytes a file
+
+
+def _check_entry(inside: Path, name: str, entry) -> None:
+    """One file's entry: a relative name that stays inside the folder, a size, a hash per block."""
+    parts = PurePosixPath(name).parts
+    if not name or "\\" in name or PurePosixPath(name).is_absolute() or any(p in ("..", ".") for p in parts) \
+            or not (inside / name).resolve().is_relative_to(inside):
+        raise ValueError(f"entry {name!r} names a file outside the folder")
+    if not isinstance(entry, dict) or type(entry.get("size")) is not int or entry["size"] < 0:
+        raise ValueError(f"entry {name!r} has no size")
+    hashes = entry.get(CHECKSUM)
+    if not isinstance(hashes, list) or len(hashes) != max(1, -(-entry["size"] // BLOCK)) \
+            or not all(isinstance(h, str) for h in hashes):
+        raise ValueError(f"entry {name!r} does not have one {CHECKSUM} hash per {BLOCK}-byte block")
+
+
+def file_problem(folder: Path, name: str, mode: str) -> str | None:
+    """What is wrong with one file of ``folder`` against its manifest (``mode``: ``size`` or
+    ``checksum``), as one line, or None; ManifestMissing when there is none. For a small file read
+    before the whole folder is verified (a checkpoint's config.yaml, at validation)."""
+    folder = Path(folder)
+    try:
+        manifest = read_manifest(folder)
+    except ValueError as e:
+        return f"{folder / MANIFEST} is unreadable ({' '.join(str(e).split())})"
+    entry = manifest["files"].get(name)
+    if entry is None:
+        return f"{folder / name} is not in the manifest"
+    if mode == "none" or (problem := _size_problem(folder / name, entry["size"])):
+        return None if mode == "none" else problem
+    if mode == "checksum":
+        found = _checksum_problem(folder, manifest, _blocks({name: entry["size"]}, manifest["block_bytes"]))
+        return found[-1] if found else None
+    return None
 
 
 def gathered(value, group) -> list:
@@ -159,14 +209,17 @@ def first_problem(folder: Path, problems: list[tuple | None]) -> str | None:
     return min(found)[-1] if found else None
 
 
-def share_problem(folder: Path, mode: str, *, ignore: Iterable[str] = (), share: tuple[int, int] = (0, 1)):
+def share_problem(folder: Path, mode: str, *, ignore: Iterable[str] = (), share: tuple[int, int] = (0, 1),
+                  hashed_later: str | None = None):
     """This rank's part of verify_manifest: ``share`` = (index, count) checks every count-th file
     (from the index-th) and every count-th block. The first problem as a sortable (kind, file,
-    offset, line), NO_MANIFEST, or None."""
+    offset, line), NO_MANIFEST, or None. ``hashed_later``: a pattern of files of which only the
+    first block is hashed here (it holds a safetensors header, which a load parses before reading
+    data); the load hashes the others as it reads them (checkpoint/reader.py)."""
     folder, (index, count) = Path(folder), share
     try:
         manifest = read_manifest(folder)
-        listed, block = manifest["files"], manifest.get("block_bytes", BLOCK)
+        listed, block = manifest["files"], manifest["block_bytes"]
     except ManifestMissing:
         return NO_MANIFEST
     except (ValueError, OSError) as e:
@@ -179,7 +232,8 @@ def share_problem(folder: Path, mode: str, *, ignore: Iterable[str] = (), share:
         if index == 0 and (problem := _unlisted(folder, listed, (MANIFEST, MANIFEST + ".tmp", *ignore))):
             return problem
         if mode == "checksum":
-            return _checksum_problem(folder, manifest, blocks)
+            now = [b for b in blocks if not hashed_later or b[1] == 0 or not fnmatch.fnmatch(b[0], hashed_later)]
+            return _checksum_problem(folder, manifest, now)
     except OSError as e:  # unreadable (an I/O error): a problem like any other, on every rank
         return 1, Path(e.filename or "").name, 0, f"{e.filename or folder} is unreadable ({e.strerror or e})"
     return None
@@ -206,9 +260,7 @@ def _unlisted(folder: Path, listed: dict, patterns: tuple[str, ...]) -> tuple | 
 
 
 def _checksum_problem(folder: Path, manifest: dict, blocks: list[tuple[str, int]]) -> tuple | None:
-    if manifest.get("checksum") != CHECKSUM:
-        return 3, "", 0, f"{folder / MANIFEST}: unknown checksum {manifest.get('checksum')!r} (expected {CHECKSUM})"
-    listed, block = manifest["files"], manifest.get("block_bytes", BLOCK)
+    listed, block = manifest["files"], manifest["block_bytes"]
     for (name, start), got in zip(blocks, _hash_blocks(folder, blocks, block)):
         wanted = listed[name][CHECKSUM]
         want = wanted[start // block] if start // block < len(wanted) else None

@@ -1,100 +1,141 @@
-"""Which checkpoint a run continues from, and what the new config changes about it.
+"""The resume decision: which checkpoint a run continues from, verified how, the fallback, and
+what the new config changes about it (``restore``, called once by train.py).
 
 A checkpoint restores state (weights, optimizer moments, RNG, data position, the step); the
 config decides everything else, the learning-rate schedule included (optim.set_schedule_step).
-Before any rank loads anything, the ranks check each candidate together (meta.json parses, every
-safetensors file is as long as its header says, and every file matches the checkpoint's
-manifest.json as ``checkpoint.verify`` says): each checks every n-th file and block, one
-all-gather of what they found gives every rank the same verdict at the same time, so all load
-the same checkpoint or all stop. A corrupt newest checkpoint is skipped for the newest one that
-verifies, with one line naming the file, instead of failing deep inside DCP with a traceback.
+Before any rank loads anything, the ranks check each candidate together (checkpoint/verify.py):
+each checks every n-th file and block, one all-gather of what they found gives every rank the
+same verdict at the same time, so all load the same checkpoint or all stop. Under ``checksum``
+the shards' blocks are hashed by the load as it reads them (checkpoint/reader.py), each byte read
+once; a mismatch there is damage like any other. A corrupt newest checkpoint is skipped for the
+newest one that verifies, with one line naming the file, instead of failing deep inside DCP.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import struct
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import yaml
 
 from parallel3d.base import ConfigError, RunError
-from parallel3d.checkpoint.checkpointer import COMPLETE, META, complete_steps, find_checkpoint
+from parallel3d.checkpoint.checkpointer import Checkpointer
+from parallel3d.checkpoint.commit import META, complete_steps, find_checkpoint
 from parallel3d.checkpoint.errors import CheckpointError, failure_line
-from parallel3d.checkpoint.manifest import MANIFEST, ManifestMissing, first_problem, gathered, share_problem
+from parallel3d.checkpoint.manifest import MANIFEST, gathered
+from parallel3d.checkpoint.reader import mismatch_of
+from parallel3d.checkpoint.state import TrainState
+from parallel3d.checkpoint.unfinished import settle_unfinished
+from parallel3d.checkpoint.verify import check_hf_weights, checkpoint_problem
+from parallel3d.config import hf_folder
+from parallel3d.config.hf_folder import loaded_line
+from parallel3d.config.schema import Config
 from parallel3d.data.tokenizer import tokenizer_hash
+from parallel3d.models import Transformer, num_params
 
 # Keys that differ between any two starts and say nothing about training.
 UNCOMPARED = ("run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.create_seed")
 
 
-def checkpoint_problem(path: Path, verify: str = "checksum", *, group=None) -> str | None:
-    """What is wrong with the files of checkpoint ``path``, or None. ``verify``: how its files are
-    checked against its manifest (``checksum``, ``size``, ``none``); one written before manifests
-    existed gets the structural checks alone. ``group``: a process group whose ranks share the
-    reading (each every n-th file and block) and all return the same answer (one all-gather)."""
-    share = (group.rank(), group.size()) if group is not None else (0, 1)
-    manifest = share_problem(path, verify, ignore=[COMPLETE], share=share) if verify != "none" else None
-    found = gathered((manifest, _structure_problem(path, share)), group)
-    try:
-        problem = first_problem(path, [m for m, _ in found])
-    except ManifestMissing:
-        problem = None
-    structure = sorted(s for _, s in found if s is not None)
-    return problem or (structure[0][-1] if structure else None)
+@dataclass
+class Start:
+    """Where a run starts: the step done, the data offset (which includes any data a rollback
+    skipped), and the bad-step guard's saved counts."""
+
+    step: int = 0
+    data_offset: int = 0
+    guard: dict = field(default_factory=dict)
 
 
-def _structure_problem(path: Path, share: tuple[int, int]) -> tuple[int, str] | None:
-    """This rank's share of the structural checks: (order, line) of the first problem, or None."""
-    index, count = share
-    shards = sorted(path.rglob("*.safetensors"))
-    if index == 0:
-        try:
-            meta = json.loads((path / META).read_text())
-            if not {"step", "model_only"} <= meta.keys():
-                return -2, f"{path / META} lacks step or model_only"
-        except (OSError, ValueError) as e:
-            return -2, f"{path / META} is unreadable ({type(e).__name__})"
-        if not [s for s in shards if s.parent == path]:
-            return -1, f"{path} has no shard-*.safetensors file"
-    for order in range(index, len(shards), count):
-        try:
-            problem = safetensors_problem(shards[order])
-        except OSError as e:
-            problem = f"is unreadable ({e.strerror or type(e).__name__})"
-        if problem:
-            return order, f"{shards[order]} {problem}"
-    return None
+def restore(*, checkpointer: Checkpointer, state: TrainState, c: Config, announce: bool, config_yaml: str) -> Start:
+    """Resume (or load initial weights) as checkpoint.* says: the one place a run decides which
+    checkpoint it continues from, verified how, and what its config changes."""
+    settle_unfinished(root=checkpointer.root, verify=c.checkpoint.verify, resume=c.checkpoint.resume,
+                      announce=announce)
+
+    def checked(path: Path) -> None:  # the chosen checkpoint against this run, before it is loaded
+        check_not_past_end(path, c.train.steps)
+        check_tokenizer(path, c.data, announce=announce)
+        if announce:
+            report_changes(path, config_yaml)
+
+    found = load_verified(checkpointer=checkpointer, state=state, resume=c.checkpoint.resume,
+                          verify=c.checkpoint.verify, announce=announce, before_load=checked)
+    if found is not None:
+        path, meta = found
+        step = 0 if meta["model_only"] else meta["step"]
+        if announce:
+            print(f"parallel3d: resumed from {path} (saved at {meta['layout']})", flush=True)
+            if step == c.train.steps:
+                print(f"parallel3d: {path.name} is at train.steps={step}: the run is complete, nothing to train "
+                      f"(raise train.steps to continue it; to evaluate it: parallel3d-evaluate {path} "
+                      f"eval.sources=[...])", flush=True)
+        if meta["model_only"]:  # a seed checkpoint: its weights, then a fresh start
+            return Start()
+        return Start(meta["step"], meta["samples_seen"] - meta["step"] * c.train.global_batch_size,
+                     meta.get("guard", {}))
+    if c.checkpoint.init_from:
+        init_from = Path(c.checkpoint.init_from).expanduser()
+        if hf_folder.is_hf_dir(init_from):
+            check_hf_weights(init_from)
+        else:
+            verify_init_from(init_from, c.checkpoint.verify, announce=announce)
+        checkpointer.load_weights(init_from, state, c.model)
+        if announce and hf_folder.is_hf_dir(init_from):
+            with torch.device("meta"):
+                size = num_params(Transformer(c.model))
+            print(loaded_line(init_from, n_params=size, tokenizer=c.data.tokenizer), flush=True)
+    return Start()
 
 
-def safetensors_problem(path: Path) -> str | None:
-    """A safetensors file is an 8-byte header length, a JSON header, then the tensors' bytes: the
-    header's largest end offset must be exactly where the file ends."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if 8 + length > size:
-                return f"is truncated ({size} bytes, header alone says {8 + length})"
-            header = json.loads(f.read(length))
-    except (OSError, ValueError, struct.error) as e:
-        return f"has a corrupt header ({type(e).__name__})"
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
-    expected = 8 + length + max(ends, default=0)
-    if size != expected:
-        return f"is {size} bytes, its header says {expected} (truncated or overwritten)"
-    return None
-
-
-def pick_checkpoint(root: Path, resume: str, announce: bool, *, verify: str = "checksum") -> Path | None:
+def pick_checkpoint(root: Path, resume: str, announce: bool, *, verify: str = "checksum",
+                    hashed_at_load: bool = False, rejected: dict[Path, str] | None = None) -> Path | None:
     """The checkpoint ``checkpoint.resume`` names, verified. Under ``auto`` a corrupt newest one is
     skipped for the newest one that verifies (said on the console when ``announce``); a named one
     that fails is refused. Collective when a process group is up: rank 0 checks, every rank gets
-    its verdict (the same path, or the same CheckpointError)."""
+    its verdict (the same path, or the same CheckpointError). ``hashed_at_load``: the shards'
+    blocks are left to the load (load_verified); ``rejected``: checkpoints a load found damaged."""
     group = dist.group.WORLD if dist.is_initialized() else None
-    return _decided_together(lambda: _pick(root, resume, announce, verify, group), root, group)
+    check = functools.partial(checkpoint_problem, group=group, shards_hashed_at_load=hashed_at_load)
+    return _decided_together(lambda: _pick(root, resume, announce, verify, check, rejected or {}), root, group)
+
+
+def load_verified(*, checkpointer: Checkpointer, state: TrainState, resume: str, verify: str,
+                  announce: bool, before_load=None) -> tuple[Path, dict] | None:
+    """The checkpoint ``resume`` names (pick_checkpoint), loaded into ``state``: (its path, its
+    meta.json), or None when there is none. Under ``checksum`` each shard block is hashed as the
+    load reads it (each byte read once); a mismatch falls back to the previous checkpoint like
+    any damage pick_checkpoint finds. ``before_load(path)``: checks of the chosen checkpoint."""
+    rejected: dict[Path, str] = {}
+    while True:
+        path = pick_checkpoint(checkpointer.root, resume, announce, verify=verify, hashed_at_load=True,
+                               rejected=rejected)
+        if path is None:
+            return None
+        if before_load is not None:
+            before_load(path)
+        try:
+            return path, checkpointer.load(path, state, hash_shards=verify == "checksum")
+        except CheckpointError as e:
+            line = mismatch_of(e)
+            if line is None:
+                raise
+            if resume != "auto":
+                raise CheckpointError(f"checkpoint.resume={resume}: {line}. Fix: name an earlier checkpoint",
+                                      every_rank=True) from e
+            _skipping(path, line, announce)
+            rejected[path] = line
+
+
+def _skipping(path: Path, problem: str, announce: bool) -> None:
+    if announce:
+        print(f"parallel3d: skipping corrupt checkpoint {path}: {problem}; trying the previous one",
+              file=sys.stderr, flush=True)
 
 
 def _decided_together(decide, path: Path, group):
@@ -112,7 +153,7 @@ def _decided_together(decide, path: Path, group):
     return verdict[1]
 
 
-def _pick(root: Path, resume: str, announce: bool, verify: str, group) -> Path | None:
+def _pick(root: Path, resume: str, announce: bool, verify: str, check, rejected: dict[Path, str]) -> Path | None:
     if resume == "none":
         return None
     if resume != "auto":
@@ -120,7 +161,7 @@ def _pick(root: Path, resume: str, announce: bool, verify: str, group) -> Path |
         if path is None:
             raise RunError(f"checkpoint.resume={resume}: no complete checkpoint there. Fix: name a step_<N> "
                            f"folder, a checkpoints/ folder or a run_dir, or use checkpoint.resume=auto")
-        problem = checkpoint_problem(path, verify, group=group)
+        problem = check(path, verify)
         if problem:
             raise RunError(f"checkpoint.resume={resume}: {problem}. Fix: name an earlier checkpoint")
         _warn_unverified(path, verify, announce)
@@ -128,13 +169,14 @@ def _pick(root: Path, resume: str, announce: bool, verify: str, group) -> Path |
     problems = []
     for step in reversed(complete_steps(root)):
         path = root / f"step_{step}"
-        problems.append(checkpoint_problem(path, verify, group=group))
+        if path in rejected:  # said when its load found it
+            problems.append(rejected[path])
+            continue
+        problems.append(check(path, verify))
         if problems[-1] is None:
             _warn_unverified(path, verify, announce)
             return path
-        if announce:
-            print(f"parallel3d: skipping corrupt checkpoint {path}: {problems[-1]}; trying the previous one",
-                  file=sys.stderr, flush=True)
+        _skipping(path, problems[-1], announce)
     if problems:  # never a silent fresh start over a run whose checkpoints are all damaged
         raise RunError(f"every checkpoint in {root} is corrupt (newest: {problems[0]}). Fix: "
                        f"checkpoint.resume=none to start afresh (the old run is moved aside)")
@@ -241,20 +283,3 @@ def _saved_tokenizer_hash(path: Path, spec: str, current: str) -> str | None:
         return tokenizer_hash(saved_spec)
     except OSError:  # moved or gone: another path may hold the same file; nothing to compare with
         return f"{saved_spec} (file not found)"
-
-
-def check_hf_weights(path: Path) -> None:
-    """Every safetensors file a Hugging Face folder's index names is there and whole."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as e:
-            raise RunError(f"{index} is corrupt ({type(e).__name__}). Fix: download the model again") from e
-    else:
-        names = sorted(p.name for p in path.glob("*.safetensors"))
-    for name in names:
-        shard = path / name
-        problem = "is missing" if not shard.is_file() else safetensors_problem(shard)
-        if problem:
-            raise RunError(f"checkpoint.init_from={path}: {shard} {problem}. Fix: download the model again")

@@ -36,8 +36,8 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from parallel3d.base import DTYPES, parse_size
-from parallel3d.checkpoint.checkpointer import find_checkpoint
-from parallel3d.checkpoint.resume import checkpoint_problem
+from parallel3d.checkpoint.commit import find_checkpoint
+from parallel3d.checkpoint.verify import checkpoint_problem
 from parallel3d.config.schema import ModelConfig
 from parallel3d.data.tokenizer import tokenizer_file
 from parallel3d.hf import families

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from parallel3d.base import ConfigError, rank, world_size_from_env
-from parallel3d.checkpoint.checkpointer import Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.config.schema import Config, ParallelConfig
 from parallel3d.data import Workers
 from parallel3d.inference.evaluate import open_evaluator

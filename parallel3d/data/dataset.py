@@ -8,6 +8,7 @@ half a file even when several ranks prepare the same corpus at once.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -47,30 +48,41 @@ def token_dtype(tokenizer) -> type:
 
 def write_array_file(chunks: Iterable[np.ndarray], dtype, output: str | Path, meta: dict, progress=None) -> Path:
     """``chunks`` one after another into ``output`` as ``dtype``, and its manifest ``output``.json
-    (dtype, count, size, checksum, ``meta``), written last: its presence means complete."""
+    (dtype, count, size, checksum, ``meta``), written last: its presence means complete. A full
+    disk is a RunError naming the file and the fix (a bare OSError names neither)."""
     output = Path(output).expanduser()
-    output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
-    count, digest = 0, hashlib.new(DIGEST)
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                data = np.asarray(chunk, dtype=dtype).tobytes()
-                f.write(data)
-                digest.update(data)
-                count += len(chunk)
-                if progress is not None:
-                    progress(count)
-    except BaseException:  # bad input, a stop signal: leave no half-written file behind
-        tmp.unlink(missing_ok=True)
-        raise
-    meta = {"dtype": np.dtype(dtype).name, "num_tokens": count, "bytes": count * np.dtype(dtype).itemsize,
-            DIGEST: digest.hexdigest(), **meta}
     meta_tmp = tmp.with_suffix(".json.tmp")
-    meta_tmp.write_text(json.dumps(meta, indent=1))
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        count, digest = _write_chunks(chunks, dtype, tmp, progress)
+        meta = {"dtype": np.dtype(dtype).name, "num_tokens": count, "bytes": count * np.dtype(dtype).itemsize,
+                DIGEST: digest, **meta}
+        meta_tmp.write_text(json.dumps(meta, indent=1))
+    except BaseException as e:  # bad input, a stop signal, a full disk: leave no half-written file behind
+        tmp.unlink(missing_ok=True)
+        meta_tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise RunError(f"disk full writing {output}: free space on its file system, or set data.cache_dir "
+                           f"to a folder with room, and run again (finished files are kept)") from e
+        raise
     os.replace(tmp, output)
     os.replace(meta_tmp, output.with_suffix(".json"))  # written last: its presence means complete
     return output
+
+
+def _write_chunks(chunks: Iterable[np.ndarray], dtype, path: Path, progress) -> tuple[int, str]:
+    """Write ``chunks`` to ``path``; returns their element count and checksum."""
+    count, digest = 0, hashlib.new(DIGEST)
+    with open(path, "wb") as f:
+        for chunk in chunks:
+            data = np.asarray(chunk, dtype=dtype).tobytes()
+            f.write(data)
+            digest.update(data)
+            count += len(chunk)
+            if progress is not None:
+                progress(count)
+    return count, digest.hexdigest()
 
 
 def _batches(items: Iterable[str], size: int) -> Iterable[list[str]]:

@@ -157,13 +157,34 @@ def _read_json(shard: Shard, text_field: str):
     schema = pa.schema([(text_field, pa.string())])
     options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     try:
-        return pj.read_json(pa.input_stream(str(shard.path), compression="detect"), parse_options=options)
+        try:
+            return pj.read_json(pa.input_stream(str(shard.path), compression="detect"), parse_options=options)
+        except pa.ArrowInvalid as e:
+            if "straddl" not in str(e):
+                raise
+            # A line longer than pyarrow's read block (1 MiB): read again in blocks that hold the longest.
+            blocks = pj.ReadOptions(block_size=_longest_line(shard.path) + 1)
+            return pj.read_json(pa.input_stream(str(shard.path), compression="detect"), read_options=blocks,
+                                parse_options=options)
     except pa.ArrowInvalid as e:  # its "row N" counts within a read block: find the line ourselves
         line, problem, fix = _first_bad_line(shard, text_field)
         if line is None:
             raise DataError(str(shard.path), f"cannot be read ({_without_row(str(e))})",
                             "rewrite or remove this file (is it truncated or of another format?)") from None
         raise DataError(f"{shard.path} line {line}", problem, fix) from None
+
+
+def _longest_line(path: Path) -> int:
+    """The length in bytes of the longest line of a (possibly gzipped) text file, read in chunks."""
+    longest = current = 0
+    with _open_json(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            parts = chunk.split(b"\n")
+            current += len(parts[0])
+            if len(parts) > 1:
+                longest = max(longest, current, *(len(x) for x in parts[1:-1]))
+                current = len(parts[-1])
+    return max(longest, current)
 
 
 def _open_json(path: Path, mode: str):

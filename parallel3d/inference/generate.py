@@ -22,8 +22,10 @@ import torch
 from omegaconf import OmegaConf
 
 from parallel3d.base import RunError
-from parallel3d.checkpoint.checkpointer import COMPLETE, Checkpointer, TrainState
+from parallel3d.checkpoint.checkpointer import Checkpointer
+from parallel3d.checkpoint.commit import COMPLETE
 from parallel3d.checkpoint.resume import pick_checkpoint
+from parallel3d.checkpoint.state import TrainState
 from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.models import Transformer
 from parallel3d.models.kv_cache import KVCache

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from parallel3d.base import RunError
-from parallel3d.checkpoint.checkpointer import COMPLETE
+from parallel3d.checkpoint.commit import COMPLETE
 from parallel3d.checkpoint.resume import pick_checkpoint
 from parallel3d.config.hf_folder import is_hf_dir
 from parallel3d.data.tokenizer import load_tokenizer, tokenizer_file

@@ -10,6 +10,8 @@ keeps a one-process Hydra sweep going past a failed job and reports the failed o
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
 import sys
 import tempfile
@@ -54,8 +56,11 @@ def warnings_to_log(path: Path) -> None:
     import warnings
 
     def show(message, category, filename, lineno, file=None, line=None):
-        with open(path, "a") as f:
-            f.write(warnings.formatwarning(message, category, filename, lineno, line))
+        try:
+            with open(path, "a") as f:
+                f.write(warnings.formatwarning(message, category, filename, lineno, line))
+        except OSError:  # a full disk: a warning lost, not a run
+            pass
 
     warnings.showwarning = show
     _logging_to(path)
@@ -76,6 +81,7 @@ def _logging_to(path: Path) -> None:
     for handler in (h for logger in loggers for h in logger.handlers):
         if type(handler) is logging.StreamHandler and id(handler.stream) in consoles:
             handler.setStream(log_file)
+    logging.raiseExceptions = False  # a full disk: a record lost, no "--- Logging error ---" on the console
     logging.lastResort = logging.StreamHandler(log_file)
     logging.lastResort.setLevel(logging.WARNING)
     if _log_file is not None:
@@ -88,14 +94,21 @@ def one_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     if isinstance(error, RunError) or type(error).__name__ in ("RunDirError", "ConfigError"):
         return text
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        where = f" writing {error.filename}" if error.filename else ""
+        return (f"disk full{where}: free space on its file system (run_dir's, or data.cache_dir's) and run again; "
+                f"the last checkpoint is intact")
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def report_failure(error: BaseException, run_dir: str | None, rank: int) -> None:
     """Traceback to this rank's log file; one line to stderr (rank 0, or any rank for a RunError)."""
-    path = ensure_rank_log(run_dir, rank)
-    with open(path, "a") as f:
-        traceback.print_exception(error, file=f)
+    path, kept = ensure_rank_log(run_dir, rank), True
+    try:  # on a full disk the log cannot take it: the one line still comes, and nothing after it
+        with open(path, "a") as f:
+            traceback.print_exception(error, file=f)
+    except OSError as e:
+        kept = f"{e.strerror or type(e).__name__}"
     if debug():
         traceback.print_exception(error, file=sys.stderr)
     # Rank 0 speaks for all; another rank only for a problem of its own (an error every rank
@@ -103,8 +116,41 @@ def report_failure(error: BaseException, run_dir: str | None, rank: int) -> None
     if rank == 0 or (isinstance(error, RunError) and not getattr(error, "every_rank", False)):
         where = "" if rank == 0 else f"rank {rank}: "
         hint = "" if debug() else f"; {DEBUG_ENV}=1 prints it here"
-        print(f"parallel3d: error: {where}{one_line(error)} (traceback in {path}{hint})", file=sys.stderr,
-              flush=True)
+        log = f"traceback in {path}{hint}" if kept is True else f"its traceback could not be written to {path}: {kept}"
+        print(f"parallel3d: error: {where}{one_line(error)} ({log})", file=sys.stderr, flush=True)
+
+
+STOPPED_NOTE = ".stopped"  # in run_dir: why the last attempt stopped on purpose (exit 2 or 3)
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of this attempt's restarts
+
+
+def note_stopped(run_dir: str | None, *, code: int, line: str) -> None:
+    """Rank 0, when the run stops on purpose (a config error, a bad step that stops it): noted in
+    run_dir, so that an attempt torchrun's ``--max-restarts`` starts after it ends at once."""
+    if run_dir:
+        with contextlib.suppress(OSError):
+            (Path(run_dir) / STOPPED_NOTE).write_text(json.dumps({"exit": code, "line": line}))
+
+
+def exit_if_stopped_before(run_dir: str | None, rank: int) -> None:
+    """An attempt that torchrun restarted after one that stopped on purpose: nothing to retry (the
+    same config, the same data, the same bad step), so it exits at once with the same code and
+    line. A first attempt (a new command) clears an old note and runs."""
+    note = Path(run_dir) / STOPPED_NOTE if run_dir else None
+    if note is None or not note.is_file():
+        return
+    if int(os.environ.get(RESTART_ENV, "0") or 0) == 0:
+        note.unlink(missing_ok=True)
+        return
+    try:
+        stopped = json.loads(note.read_text())
+        code, line = int(stopped["exit"]), str(stopped["line"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if rank == 0:
+        print(f"parallel3d: not restarted: the attempt before stopped on purpose (exit {code}), and a restart "
+              f"would stop the same way: {line}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 class SweepFailures:

@@ -147,6 +147,16 @@ class BadStepGuard:
                 f"rolled back to step_{to_step}; steps {to_step + 1}.. train on the data after step {at_step} "
                 f"({skipped} steps of data skipped)")
 
+    def nothing_to_roll_back_to(self, *, at_step: int, every: int) -> TrainingDiverged:
+        """The error when train.max_bad_steps bad steps came before any checkpoint of this run:
+        its fix says what checkpoint.every would change (it may be set, and only due later)."""
+        fix = ("set checkpoint.every to roll back" if not every else
+               f"checkpoint.every={every} saves its first checkpoint at step {every}: set it below {at_step} to "
+               f"roll back that early")
+        return TrainingDiverged(f"{self.max_bad_steps} bad steps in a row up to step {at_step} ({self.reason}) and "
+                                f"no checkpoint of this run to roll back to: training diverged. Fix: lower optim.lr "
+                                f"or raise optim.warmup_steps, or {fix}")
+
     # -- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self) -> dict:

@@ -68,7 +68,7 @@ def parent_argv() -> list[str]:
 
 
 def last_checkpoint(checkpoints: Path) -> str:
-    from parallel3d.checkpoint.checkpointer import complete_steps
+    from parallel3d.checkpoint.commit import complete_steps
 
     steps = complete_steps(checkpoints)
     return str(checkpoints / f"step_{steps[-1]}") if steps else "none yet"

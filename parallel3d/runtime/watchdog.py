@@ -93,8 +93,8 @@ class Watchdog:
             elif not stalled:  # training moved on: a later stall is a new one
                 self._fired_at, self._frozen_s = None, 0.0
 
-    def _fire(self) -> None:
-        where = main_thread_collective()
+    def _fire(self, where: str | None = None) -> None:
+        where = main_thread_collective() if where is None else where
         with open(self.log_path, "a") as f:
             f.write(f"parallel3d watchdog: rank {self.rank} at step {self.step}: no progress for "
                     f"{time.monotonic() - self.last_progress:.0f} s{' in ' + where if where else ''}; "
@@ -129,19 +129,33 @@ class Watchdog:
                 continue
         return found
 
-    def diagnosis(self) -> Hang | None:
-        """The hang seen (waiting for a diagnosis under way), or one read now after a quick failure."""
+    def diagnosis(self, error: BaseException | None = None) -> Hang | None:
+        """The hang seen (waiting for a diagnosis under way), or one read now after a quick failure
+        (a peer died): then the collective is the one ``error`` was raised in, not where the main
+        thread is now (handling it)."""
         if self._fired_at is not None:
             self._diagnosed.wait(timeout=3 * self.beat_s + 1)
         elif self.hang is None:
             self._fired_at = time.monotonic()
-            self._fire()
+            self._fire(collective_at(raised_at(error)) if error is not None else None)
         return self.hang
 
 
 def main_thread_collective() -> str:
     """The innermost torch.distributed function on the main thread and the parallel3d line under it."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    return collective_at(sys._current_frames().get(threading.main_thread().ident))
+
+
+def raised_at(error: BaseException):
+    """The innermost frame of ``error``'s traceback (None without one)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame if tb is not None else None
+
+
+def collective_at(frame) -> str:
+    """The innermost torch.distributed function from ``frame`` outwards, and the parallel3d line under it."""
     collective = caller = ""
     while frame is not None:
         path, name = frame.f_code.co_filename.replace("\\", "/"), frame.f_code.co_name
@@ -210,7 +224,7 @@ def explain(error: BaseException) -> BaseException:
     still answers gets a HangError (printed on the console); the others log the same line."""
     if _current is None or not (isinstance(error, dist.DistError) or any(w in str(error) for w in TIMEOUT_WORDS)):
         return error
-    hang = _current.diagnosis()
+    hang = _current.diagnosis(error)
     if hang is None:
         return error
     timed_out = "imed out" in str(error)  # else a peer's connection closed: it died
