@@ -27,7 +27,7 @@ from parallel3d.config.compose import compose
 from parallel3d.models import Transformer
 from parallel3d.observe.metrics import model_state_bytes
 from parallel3d.optim.adamw import build_optimizer
-from parallel3d.parallel import ParallelPlan, parallelize
+from parallel3d.parallel.compose import ParallelPlan, parallelize
 from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts
 from parallel3d.planner import Hardware, SearchSpace, predict, rank_layouts
