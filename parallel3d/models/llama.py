@@ -158,7 +158,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # init_weights sets every weight (the same values in every layout): nn.Embedding's own normal_
+        # init would be overwritten, and on the meta device it runs through torch._refs, which
+        # imports torch._dynamo (seconds of start-up on every rank of every run).
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         # Tied embeddings are one parameter used twice, not two modules sharing a weight:
