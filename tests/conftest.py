@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from parity_tolerance import Tolerance, log_comparison, measure, metric_spread, twins, weight_spread
+from run_store import RunStore, run_key, shared_root
 
 RUN_TIMEOUT_S = 300
 BATCH_TIMEOUT_S = 120
@@ -44,6 +45,15 @@ class Run:
     @property
     def losses(self) -> list[float]:
         return [row["loss"] for row in self.metrics]
+
+    @classmethod
+    def from_record(cls, record: dict) -> Run:
+        """A run of tests/run_store.py's records."""
+        return cls(Path(record["run_dir"]), record["returncode"], record["stdout"], record["stderr"])
+
+    def record(self) -> dict:
+        return {"run_dir": str(self.run_dir), "returncode": self.returncode, "stdout": self.stdout,
+                "stderr": self.stderr}
 
     def assert_finished(self, steps: int) -> None:
         got = [row["step"] for row in self.metrics]
@@ -290,19 +300,23 @@ def runs_root(tmp_path_factory) -> Path:
 
 
 class Parity:
-    """Runs layouts once each and compares them with the single-process run of the same model."""
+    """Runs layouts once each and compares them with the single-process run of the same model.
+    The runs come from the session's RunStore: a layout any file of the session already trained
+    (in any xdist worker) is read, not trained again."""
 
-    def __init__(self, root: Path):
-        self.root, self.runs, self.checked, self.tolerances = root, {}, set(), {}
+    def __init__(self, store: RunStore):
+        self.store, self.runs, self.checked, self.tolerances = store, {}, set(), {}
 
     def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
-        if name not in self.runs:
-            self.runs[name] = launch(self.root / name, self.arguments(overrides), nproc=nproc)
-        run = self.runs[name]
-        if name not in self.checked:
+        arguments = self.arguments(overrides)
+        key = run_key(nproc, arguments)
+        if key not in self.runs:
+            self.runs[key] = Run.from_record(self.store.get({name: (nproc, arguments)})[name])
+        run = self.runs[key]
+        if key not in self.checked:
             run.assert_finished(10)
-            self.assert_planned_model_state(run, self.arguments(overrides), nproc)
-            self.checked.add(name)
+            self.assert_planned_model_state(run, arguments, nproc)
+            self.checked.add(key)
         return run
 
     def train(self, layout: Layout, prefix: str = "", extra: list[str] = ()) -> Run:
@@ -310,14 +324,11 @@ class Parity:
         return self.run(prefix + layout.name, layout.nproc, [*extra, *layout.overrides])
 
     def prefetch(self, layouts: dict[str, tuple[int, list[str]]]) -> None:
-        """Train the layouts not yet run in one launch per rank count (see tests/layout_batch.py);
-        ``run`` then finds them, or launches on its own any that failed in a batch."""
-        pending = {name: layout for name, layout in layouts.items() if name not in self.runs}
-        for nproc in sorted({n for n, _ in pending.values()}):
-            group = {name: self.arguments(o) for name, (n, o) in pending.items() if n == nproc}
-            for start in range(0, len(group), BATCH_SIZE):
-                chunk = dict(list(group.items())[start:start + BATCH_SIZE])
-                self.runs |= launch_batch(self.root, chunk, nproc)
+        """Train the layouts no test of the session ran yet, a few per launch (tests/run_store.py);
+        ``run`` then reads them."""
+        wanted = {name: (n, self.arguments(o)) for name, (n, o) in layouts.items()}
+        records = self.store.get({name: spec for name, spec in wanted.items() if run_key(*spec) not in self.runs})
+        self.runs |= {run_key(*wanted[name]): Run.from_record(record) for name, record in records.items()}
 
     @staticmethod
     def arguments(overrides: list[str]) -> list[str]:
@@ -369,9 +380,23 @@ class Parity:
         assert_matches(reference, run, tolerance=tolerance, weights=True)
 
 
+def _batch_records(root: Path, layouts: dict[str, list[str]], nproc: int) -> dict[str, dict]:
+    return {name: run.record() for name, run in launch_batch(root, layouts, nproc).items()}
+
+
+def _one_record(run_dir: Path, overrides: list[str], nproc: int) -> dict:
+    return launch(run_dir, overrides, nproc=nproc).record()
+
+
 @pytest.fixture(scope="session")
-def parity(runs_root) -> Parity:
-    return Parity(runs_root)
+def run_store(tmp_path_factory) -> RunStore:
+    """The session's shared runs (tests/run_store.py), seen by every xdist worker."""
+    return RunStore(shared_root(tmp_path_factory.getbasetemp()), _batch_records, _one_record, BATCH_SIZE)
+
+
+@pytest.fixture(scope="session")
+def parity(run_store) -> Parity:
+    return Parity(run_store)
 
 
 @pytest.fixture(scope="session")
