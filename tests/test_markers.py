@@ -31,7 +31,7 @@ def test_marked_starts_torchrun():
 
 
 def test_an_unmarked_test_that_starts_torchrun_fails_under_not_multirank(tmp_path):
-    for harness in ("conftest.py", "parity_tolerance.py"):  # conftest and the module it imports
+    for harness in ("conftest.py", "parity_tolerance.py", "run_store.py"):  # conftest and the modules it imports
         shutil.copy(TESTS / harness, tmp_path / harness)
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    multirank: several ranks\n")
