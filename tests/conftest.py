@@ -116,9 +116,19 @@ def launch_batch(root: Path, layouts: dict[str, list[str]], nproc: int) -> dict[
     runs = {}
     for name in layouts:
         results = [json.loads(p.read_text()) for p in sorted((root / f"{name}.batch").glob("rank*.json"))]
+        log_layout_cpu(name, nproc, [r.get("cpu_s", 0.0) for r in results])
         if len(results) == nproc and all(r["returncode"] == 0 for r in results):
             runs[name] = Run(root / name, 0, results[0]["stdout"], results[0]["stderr"])
     return runs
+
+
+def log_layout_cpu(name: str, nproc: int, cpu_s: list[float]) -> None:
+    """``P3D_TEST_CPU_LOG=FILE``: also a line per layout trained in a batch, its ranks' CPU seconds
+    summed (the launch's start-up apart), so that the cost of each layout of a matrix shows."""
+    log = os.environ.get("P3D_TEST_CPU_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"layout": name, "nproc": nproc, "cpu_s": round(sum(cpu_s), 2)}) + "\n")
 
 
 def launch_measured(root: Path, overrides: list[str], steps: int, name: str = "single",
