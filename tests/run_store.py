@@ -32,8 +32,10 @@ SingleLauncher = Callable[[Path, list[str], int], dict]
 
 
 def run_key(nproc: int, overrides: list[str]) -> str:
-    """What a run trains, as a short digest: its rank count and its overrides, in order."""
-    return hashlib.sha1(json.dumps([nproc, list(overrides)]).encode()).hexdigest()[:12]
+    """What a run trains, as a short digest: its rank count and its overrides as Hydra applies
+    them (the last value of each key counts, and their order does not)."""
+    values = {override.split("=", 1)[0]: override for override in overrides}
+    return hashlib.sha1(json.dumps([nproc, sorted(values.values())]).encode()).hexdigest()[:12]
 
 
 def shared_root(basetemp: Path) -> Path:
