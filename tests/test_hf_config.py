@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from hf_files import tiny_qwen3, token_batch
 from omegaconf import OmegaConf
 
@@ -21,7 +22,6 @@ from parallel3d.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_has
 from parallel3d.models import Transformer
 from parallel3d.planner import predict
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 

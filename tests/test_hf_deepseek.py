@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
@@ -17,7 +18,6 @@ from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.hf import families
 from parallel3d.models import Transformer
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
