@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from parity_tolerance import Tolerance, log_comparison, measure, metric_spread, twins, weight_spread
+from process_guard import torchrun_only_in_multirank_tests  # noqa: F401  (a session fixture: see there)
 
 RUN_TIMEOUT_S = 300
 BATCH_TIMEOUT_S = 120
@@ -239,37 +240,6 @@ def pytest_xdist_auto_num_workers(config) -> int:
 def relative_error(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-# What starts a torchrun job: torchrun itself, or parallel3d-run (which hands over to it).
-TORCHRUN_COMMANDS = {"torchrun", "torch.distributed.run", "parallel3d-run", "parallel3d.launch.run"}
-
-
-def starts_torchrun(args) -> bool:
-    """Whether a command (as subprocess takes it: a list, or one string) runs torchrun."""
-    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-    return any(Path(word).name in TORCHRUN_COMMANDS for arg in argv for word in os.fsdecode(arg).split())
-
-
-@pytest.fixture(scope="session", autouse=True)
-def torchrun_only_in_multirank_tests(request):
-    """``-m "not multirank"`` promises a run without torchrun jobs: in a session that selected no
-    multirank test, starting one fails the test (or fixture) that tried, naming the missing mark.
-    (Where multirank tests run too, a shared fixture may start the jobs during any test.)"""
-    if any(item.get_closest_marker("multirank") for item in request.session.items):
-        yield
-        return
-    popen_init = subprocess.Popen.__init__
-
-    def refusing_torchrun(self, args, *rest, **kwargs):
-        if starts_torchrun(args):
-            pytest.fail(f"this test is not marked multirank but starts torchrun ({args}): "
-                        "mark the test that needs the job @pytest.mark.multirank")
-        popen_init(self, args, *rest, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(subprocess.Popen, "__init__", refusing_torchrun)
-        yield
 
 
 @pytest.fixture(autouse=True)

@@ -310,6 +310,7 @@ def _saves_on_two_ranks(rank: int, folder: Path) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_each_rank_hashes_its_own_files_and_verifies_its_share(tmp_path):
     """Two processes: each rank hashes exactly the files it wrote (sync and async), a failed async
     commit raises the same line on both ranks at the same step, and each block is verified once."""

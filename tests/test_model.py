@@ -161,6 +161,9 @@ def test_tied_embeddings_survive_materialization(tiny_cfg):
 # --- layout independence of init under FSDP -------------------------------------------------------
 
 WORLD = 4
+# Against a hang: four spawned ranks each import torch before they start, which on a loaded machine
+# takes minutes, not seconds.
+RANKS_TIMEOUT_S = 300
 FSDP_CFG = dict(vocab_size=257, n_layers=2)  # vocab 257 rows shard unevenly over 4 ranks (65, 65, 65, 62)
 
 
@@ -206,6 +209,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.multirank
 def test_init_is_layout_independent_under_fsdp(tmp_path):
     import torch.multiprocessing as mp
 
@@ -218,7 +222,7 @@ def test_init_is_layout_independent_under_fsdp(tmp_path):
         p.start()
     try:
         for p in procs:
-            p.join(timeout=60)
+            p.join(timeout=RANKS_TIMEOUT_S)
     finally:
         for p in procs:
             if p.is_alive():

@@ -75,6 +75,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_attention_matches_one_process_forward_and_backward(cp):
     """Both methods, float64, outputs and q/k/v gradients: a failing rank's assertion propagates."""

@@ -209,6 +209,7 @@ def ep_activations(rank: int, port: int, overrides: list[str], result) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_expert_parallel_activation_bytes():
     """ep2: the planner's count under balanced routing, plus what each received copy more or fewer
     keeps on the rank (its experts' hiddens and, with no checkpointing, its row in expert order,
