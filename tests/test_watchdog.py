@@ -24,6 +24,7 @@ from conftest import env
 from parallel3d.runtime.watchdog import Hang, hang_line
 
 TIMEOUT_S = 10
+HANG_S = 180  # against a hang: longer than any wait here takes, even on a loaded machine
 STACKS = "Python stacks of every thread"
 
 
@@ -84,14 +85,15 @@ def test_a_stopped_rank_is_named_and_every_stack_is_logged(tmp_path):
                                start_new_session=True)
     try:
         metrics = run_dir / "metrics.jsonl"
-        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 180, "step 3", log)
+        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, HANG_S, "step 3", log)
         workers = _workers(job.pid)
         os.kill(workers[1], signal.SIGSTOP)
         stopped_after = json.loads(metrics.read_text().splitlines()[-1])["step"]
-        took = _wait(lambda: not _alive(workers[0]), TIMEOUT_S + 30, "rank 0 to give up", log)
-        assert took < TIMEOUT_S + 30
+        # A bound against a hang, not a speed claim (that is tools/bench_timeouts.py's): the line
+        # checked below names train.dist_timeout_s, so the timeout is what ended rank 0's wait.
+        _wait(lambda: not _alive(workers[0]), HANG_S, "rank 0 to give up", log)
         os.kill(workers[1], signal.SIGCONT)  # as a frozen machine that comes back: now it can dump
-        _wait(lambda: job.poll() is not None, 60, "torchrun to end", log)
+        _wait(lambda: job.poll() is not None, HANG_S, "torchrun to end", log)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
