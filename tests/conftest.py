@@ -27,7 +27,8 @@ BATCH_SIZE = 8  # layouts per launch: bounds what one failure sends back to laun
 # round-off picks: after 10 steps one element of layers.1.attention.wv differed by 2.9e-5 between
 # tied layouts whose losses agreed to 2e-7. eps=1e-6 damps such elements, so the final weights'
 # sensitivity to round-off, and with it their derived tolerance (parity_tolerance.py), stays small.
-FAST = ["train.steps=10", "optim.warmup_steps=2", "train.seq_len=64", "train.global_batch_size=16", "optim.eps=1e-6"]
+STEPS = 10  # the FAST run's steps: a test that means "the last step" says STEPS
+FAST = [f"train.steps={STEPS}", "optim.warmup_steps=2", "train.seq_len=64", "train.global_batch_size=16", "optim.eps=1e-6"]
 
 
 @dataclass
@@ -270,7 +271,7 @@ class Parity:
             self.runs[name] = launch(self.root / name, self.arguments(overrides), nproc=nproc)
         run = self.runs[name]
         if name not in self.checked:
-            run.assert_finished(10)
+            run.assert_finished(STEPS)
             self.assert_planned_model_state(run, self.arguments(overrides), nproc)
             self.checked.add(name)
         return run

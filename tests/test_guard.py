@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAST, assert_matches, launch_batch, tensorboard_scalars
+from conftest import FAST, STEPS, assert_matches, launch_batch, tensorboard_scalars
 from parity_tolerance import measure, twins
 
 from parallel3d.runtime.guard import SPIKE_MIN_STEPS, BadStepGuard, TrainingDiverged
@@ -100,9 +100,9 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _assert_skipped_7(rows: list[dict]) -> None:
-    assert [r["step"] for r in rows] == list(range(1, 11))
-    assert [r["skipped"] for r in rows] == [s == 7 for s in range(1, 11)]
-    assert [r["skipped_steps"] for r in rows] == [int(s >= 7) for s in range(1, 11)]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["skipped"] for r in rows] == [s == 7 for s in range(1, STEPS + 1)]
+    assert [r["skipped_steps"] for r in rows] == [int(s >= 7) for s in range(1, STEPS + 1)]
     assert math.isnan(rows[6]["loss"])
 
 

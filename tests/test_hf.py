@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, Run, env, launch, relative_error
+from conftest import FAST, STEPS, Run, env, launch, relative_error
 from omegaconf import OmegaConf
 from parity_tolerance import ONE_PASS
 from safetensors import safe_open
@@ -58,7 +58,7 @@ class Models:
     def run(self, name: str) -> Run:
         if name not in self.runs:
             run = launch(self.root / name, [*FAST, "checkpoint.every=10", *MODELS[name]])
-            run.assert_finished(10)
+            run.assert_finished(STEPS)
             self.runs[name] = run
         return self.runs[name]
 
