@@ -358,3 +358,10 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every point
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+DESELECTED: list[str] = []  # tests/test_inventory.py: this session collected its items and these
+
+
+def pytest_deselected(items) -> None:
+    DESELECTED.extend(item.nodeid for item in items)
