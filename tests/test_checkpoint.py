@@ -210,6 +210,7 @@ def _checkpointer(tmp_path: Path, **cfg) -> Checkpointer:
     return Checkpointer(tmp_path, CheckpointConfig(**cfg))
 
 
+@pytest.mark.fast
 def test_load_restores_model_optimizer_schedule_and_rng(tmp_path):
     saved = _tiny_state()
     for _ in range(3):
@@ -248,6 +249,7 @@ def test_checkpoint_holds_no_pickle_and_loads_without_unpickling(tmp_path, monke
     ckpt.load(tmp_path / "checkpoints" / "step_1", _tiny_state(seed=1))
 
 
+@pytest.mark.fast
 def test_incomplete_checkpoints_are_ignored_then_removed(tmp_path):
     state = _tiny_state()
     ckpt = _checkpointer(tmp_path, every=1)
@@ -347,6 +349,7 @@ def test_resume_takes_a_step_folder_a_checkpoints_folder_or_a_run_dir(tmp_path):
         pick_checkpoint(tmp_path / "other" / "checkpoints", str(tmp_path / "missing"), announce=False)
 
 
+@pytest.mark.fast
 def test_optimizer_state_is_named_by_parameter_whatever_the_group_order():
     """AdamW's no-decay group (the norms) comes after the decay group, unlike the model's order:
     each saved moment must still carry its own parameter's name and shape."""

@@ -233,6 +233,7 @@ PATH = r"\b((?:parallel3d|tools|tests|conf|recipes|docs)/[\w./-]*\w)(?![<{\w*])"
 IN_THE_WHEEL = {"parallel3d/conf", "parallel3d/recipes"}  # conf/ and recipes/ as pyproject.toml maps them
 
 
+@pytest.mark.fast
 def test_every_path_the_docs_name_exists():
     """parallel3d/, tools/, tests/, conf/, recipes/ and docs/ paths in README.md, BENCHMARKS.md and
     docs/ (after a file moves, the manual must follow it)."""

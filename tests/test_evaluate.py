@@ -39,6 +39,7 @@ def token_files(tmp_path_factory) -> tuple[Path, Path]:
             paragraph_token_file(root / "heldout.bin", "email", 60_000))
 
 
+@pytest.mark.fast
 def test_eval_is_due_every_n_steps_and_at_the_last(token_files):
     tokens = open_eval_corpus(DataConfig(), EvalConfig(sources=[str(token_files[1])])).tokens
     spec = BatchSpec(16, 4, 64)

@@ -33,6 +33,7 @@ def decide(g: BadStepGuard, step: int, loss: float, norm: float) -> bool:
     return g.update_allowed(torch.tensor(loss), torch.tensor(norm))
 
 
+@pytest.mark.fast
 def test_non_finite_loss_or_norm_is_skipped_and_counted():
     g = guard()
     assert decide(g, 1, 2.0, 1.0) and not g.skipped
@@ -78,6 +79,7 @@ def test_rollback_after_max_bad_steps_skips_the_data_and_stops_the_second_time()
         resumed.rolled_back(at_step=9, to_step=5, global_batch_size=16)
 
 
+@pytest.mark.fast
 def test_one_rank_bad_is_every_rank_bad():
     """Only rank 1 sees a NaN loss (a rank-local decision would update rank 0 and not rank 1): both
     skip. Two gloo ranks as threads of this process, over a store in memory."""

@@ -112,6 +112,7 @@ def tokens(cfg: ModelConfig) -> torch.Tensor:
 NAMED = {"untied": [], "tied": ["model.tie_embeddings=true"], "llama3_8b": ["model=llama3_8b"]}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", NAMED)
 def test_names_map_one_to_one(name):
     cfg = model_config(NAMED[name])

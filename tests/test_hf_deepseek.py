@@ -113,6 +113,7 @@ def test_the_folder_out_is_the_folder_in(tmp_path):
         torch.testing.assert_close(again(tokens).logits, reference(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("field, value", [("quantization_config", {"quant_method": "fp8"}), ("rope_interleave", False)])
 def test_weights_or_rope_the_model_cannot_read_are_refused(tmp_path, field, value):
     from parallel3d.base import ConfigError

@@ -43,6 +43,7 @@ def lora_tolerance(parity):
     return parity.measured(*REFERENCE)[1]
 
 
+@pytest.mark.fast
 def test_only_adapters_train():
     cfg = ModelConfig(n_layers=2, lora=LoRAConfig(rank=4, alpha=8.0))
     with torch.device("meta"):
@@ -255,6 +256,7 @@ def test_dropout_on_peft_parameters_is_refused_with_save_model():
     check(compose([*overrides, "model.lora.targets=[wq_a,wq_b,wkv_a,wkv_b,wo]"]), 1)
 
 
+@pytest.mark.fast
 def test_adapter_a_starts_as_peft_default():
     """A is uniform in +-1/sqrt(in) as PEFT's default (Kaiming-uniform, a=sqrt(5)) draws it: our draw
     and PEFT's have the same bound and the same distribution; B starts at zero."""

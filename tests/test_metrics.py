@@ -135,6 +135,7 @@ def test_wandb_offline_records_the_run_and_continues_it_after_resume(tmp_path, m
     assert new_id != run_id and offline_run(run_dir)[-1]["id"] == new_id
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name, dtype, expected", [
     ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
     ("NVIDIA H100 PCIe", "bfloat16", 756e12),  # not the SXM part's figure

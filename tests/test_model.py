@@ -81,6 +81,7 @@ def test_forward_shape_and_finite(tiny, tiny_cfg):
     assert abs(loss.item() - math.log(tiny_cfg.vocab_size)) < 0.5
 
 
+@pytest.mark.fast
 def test_forward_is_causal(tiny, tiny_cfg):
     tokens = torch.randint(0, tiny_cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     changed = tokens.clone()
@@ -114,6 +115,7 @@ def test_init_is_deterministic_in_seed(tiny_cfg):
             assert not torch.equal(a[name], c[name]), name
 
 
+@pytest.mark.fast
 def test_init_depends_on_parameter_name_and_std(tiny_cfg):
     sd = build(tiny_cfg, 0).state_dict()
     # Same shape, different names: different values.

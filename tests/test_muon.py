@@ -135,6 +135,7 @@ def test_a_skipped_step_moves_neither_weights_nor_momentum(one_thread):
     torch.testing.assert_close((wq.detach(), setup.optimizer.state[wq]["momentum_buffer"]), before, rtol=0, atol=0)
 
 
+@pytest.mark.fast
 def test_the_parameter_rule():
     """Block matrices and stacked experts: Muon's; embedding, head, norms and routers: AdamW's."""
     setup = _setup(MOE)

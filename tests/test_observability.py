@@ -79,6 +79,7 @@ def test_profile_memory_on_cpu_says_what_it_cannot_do_and_compares_with_the_plan
     assert compared == ["0", "1", "2", "3"], out
 
 
+@pytest.mark.fast
 def test_a_straggler_is_named_once_per_streak():
     watch = StragglerWatch(factor=2.0, steps=2, hosts=["a", "b", "c"])
     assert watch.check(1, [1.0, 1.0, 3.0]) == []  # one logged step: not yet

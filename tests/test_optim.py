@@ -56,6 +56,7 @@ def test_cosine_ends_at_min_ratio_at_final_step():
     assert f[-1] == pytest.approx(MIN_RATIO)
 
 
+@pytest.mark.fast
 def test_wsd_flat_then_linear_decay_to_min_ratio():
     decay_fraction = 0.25
     f = factors("wsd", decay_fraction=decay_fraction, min_ratio=0.0)
@@ -127,6 +128,7 @@ def _params_with_grads(*grads: list[float]) -> list[nn.Parameter]:
     return params
 
 
+@pytest.mark.fast
 def test_clip_grad_norm_scales_down_to_max_norm():
     params = _params_with_grads([3.0, 0.0], [0.0, 4.0, 12.0])  # global norm sqrt(9 + 16 + 144) = 13
     before = [p.grad.clone() for p in params]
@@ -205,6 +207,7 @@ def test_build_optimizer_implementations_step_on_cpu(implementation):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.fast
 def test_build_optimizer_implementations_agree():
     """Every implementation computes the same AdamW update."""
     results = {}

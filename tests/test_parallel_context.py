@@ -19,6 +19,7 @@ from conftest import layouts, prefetch_selected
 from parallel3d.parallel.context import ContextParallelAttention, local_attention, shard_positions, shard_sequence
 
 
+@pytest.mark.fast
 def test_head_tail_shards_cover_the_sequence_once_and_balance_causal_work():
     seq, cp = 16, 4
     x = torch.arange(seq)[None]

@@ -54,6 +54,7 @@ def converted(overrides: list[str]) -> list[str]:
     return names
 
 
+@pytest.mark.fast
 def test_block_linears_convert_and_the_head_does_not():
     names = converted(FLOAT8)
     assert names == [f"layers.{i}.{layer}" for i in range(4) for layer in BLOCK_LINEARS]

@@ -169,6 +169,7 @@ def test_activation_bytes_per_microbatch(name):
         assert abs(predicted - kept) <= 0.01 * kept, (mode, dtype, predicted, kept)
 
 
+@pytest.mark.fast
 def test_checkpointing_and_parallelism_shrink_activations_in_order():
     sizes = {}
     for mode in ("none", "op", "selective", "full"):

@@ -28,6 +28,7 @@ HANG_S = 180  # against a hang: longer than any wait here takes, even on a loade
 STACKS = "Python stacks of every thread"
 
 
+@pytest.mark.fast
 def test_describe_names_silent_late_and_frozen_ranks():
     assert hang_line(Hang(7, "all_reduce called from parallel3d/runtime/guard.py:97 (update_allowed)", [1], {1: 6}), 0) == (
         "rank 1 (last seen at step 6) stopped answering (no heartbeat) while rank 0 waited at step 7 in all_reduce "
