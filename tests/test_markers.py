@@ -4,6 +4,7 @@ unmarked test that tries (through torchrun, mp.spawn or multiprocessing), and le
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import shutil
@@ -94,6 +95,7 @@ def test_no_test_skips_for_a_missing_dev_dependency():
 PACKAGE = TESTS.parent / "parallel3d"
 
 
+@functools.cache
 def module_names() -> dict[str, Path]:
     """parallel3d's modules by dotted name (a package by its own name: its __init__.py)."""
     names = {}
@@ -140,10 +142,10 @@ def marks_of(node: ast.FunctionDef) -> set[str]:
 
 @pytest.mark.fast
 def test_the_fast_tier_loads_every_module_and_starts_no_ranks():
-    """Every parallel3d module is imported by a test file with fast tests, or loaded by one such a
-    file imports (its top-level imports, followed): -m fast touches all of the package. And no
-    fast test is multirank: the tier runs in-process (tests/process_guard.py fails a test that
-    starts ranks under -m fast)."""
+    """Every parallel3d module is loaded by a test file with fast tests: imported there, or imported
+    when a module it imports loads (top-level imports, followed), so -m fast touches all of the
+    package. And no fast test is multirank: the tier runs in-process (tests/process_guard.py
+    fails a test that starts ranks under -m fast)."""
     modules, direct, multirank = module_names(), set(), []
     for path in sorted(TESTS.glob("test_*.py")):
         tree = ast.parse(path.read_text())
@@ -165,6 +167,5 @@ def test_the_fast_tier_loads_every_module_and_starts_no_ranks():
             todo += [parent for parent in [name.rpartition(".")[0]] if parent in modules]
     assert not multirank, f"fast tests must run in-process, these are multirank: {multirank}"
     missing = sorted(set(modules) - loaded)
-    assert not missing, (f"no file with fast tests loads {missing} (imports it, or a module that imports it): mark a "
-                         "cheap in-process test of each "
+    assert not missing, (f"no file with fast tests loads {missing}: mark a cheap in-process test of each "
                          "@pytest.mark.fast (README's Tests section: the fast tier)")
