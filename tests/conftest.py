@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from parity_tolerance import Tolerance, log_comparison, measure, metric_spread, twins, weight_spread
+from process_guard import torchrun_only_in_multirank_tests  # noqa: F401  (a session fixture: see there)
 from run_store import RunStore, run_key, shared_root
 
 RUN_TIMEOUT_S = 300
@@ -27,7 +28,8 @@ BATCH_SIZE = 8  # layouts per launch: bounds what one failure sends back to laun
 # round-off picks: after 10 steps one element of layers.1.attention.wv differed by 2.9e-5 between
 # tied layouts whose losses agreed to 2e-7. eps=1e-6 damps such elements, so the final weights'
 # sensitivity to round-off, and with it their derived tolerance (parity_tolerance.py), stays small.
-FAST = ["train.steps=10", "optim.warmup_steps=2", "train.seq_len=64", "train.global_batch_size=16", "optim.eps=1e-6"]
+STEPS = 10  # the FAST run's steps: a test that means "the last step" says STEPS
+FAST = [f"train.steps={STEPS}", "optim.warmup_steps=2", "train.seq_len=64", "train.global_batch_size=16", "optim.eps=1e-6"]
 
 
 @dataclass
@@ -261,37 +263,6 @@ def relative_error(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-# What starts a torchrun job: torchrun itself, or parallel3d-run (which hands over to it).
-TORCHRUN_COMMANDS = {"torchrun", "torch.distributed.run", "parallel3d-run", "parallel3d.launch.run"}
-
-
-def starts_torchrun(args) -> bool:
-    """Whether a command (as subprocess takes it: a list, or one string) runs torchrun."""
-    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-    return any(Path(word).name in TORCHRUN_COMMANDS for arg in argv for word in os.fsdecode(arg).split())
-
-
-@pytest.fixture(scope="session", autouse=True)
-def torchrun_only_in_multirank_tests(request):
-    """``-m "not multirank"`` promises a run without torchrun jobs: in a session that selected no
-    multirank test, starting one fails the test (or fixture) that tried, naming the missing mark.
-    (Where multirank tests run too, a shared fixture may start the jobs during any test.)"""
-    if any(item.get_closest_marker("multirank") for item in request.session.items):
-        yield
-        return
-    popen_init = subprocess.Popen.__init__
-
-    def refusing_torchrun(self, args, *rest, **kwargs):
-        if starts_torchrun(args):
-            pytest.fail(f"this test is not marked multirank but starts torchrun ({args}): "
-                        "mark the test that needs the job @pytest.mark.multirank")
-        popen_init(self, args, *rest, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(subprocess.Popen, "__init__", refusing_torchrun)
-        yield
-
-
 @pytest.fixture(autouse=True)
 def no_process_group_left():
     """A test that leaves the default process group up fails here, not the in-process tests after it
@@ -324,7 +295,7 @@ class Parity:
             self.runs[key] = Run.from_record(self.store.get({name: (nproc, arguments)})[name])
         run = self.runs[key]
         if key not in self.checked:
-            run.assert_finished(10)
+            run.assert_finished(STEPS)
             self.assert_planned_model_state(run, arguments, nproc)
             self.checked.add(key)
         return run
@@ -422,3 +393,10 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every point
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+DESELECTED: list[str] = []  # tests/test_inventory.py: this session collected its items and these
+
+
+def pytest_deselected(items) -> None:
+    DESELECTED.extend(item.nodeid for item in items)

@@ -102,6 +102,7 @@ def test_kv_cache_gives_the_full_forwards_logits(overrides):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=2e-6)
 
 
+@pytest.mark.fast
 def test_the_cache_refuses_tokens_past_its_length():
     model = random_model([])
     with pytest.raises(ValueError, match="holds 4 tokens"), torch.no_grad():
@@ -170,6 +171,7 @@ def test_the_run_says_what_it_tokenizes(trained):
     assert f"parallel3d: tokenized {trained.run.run_dir.parent / 'chats.jsonl'} (90 record, " in out
 
 
+@pytest.mark.fast
 def test_end_tokens_are_the_folders(tmp_path):
     """A folder's end tokens are generation_config.json's eos_token_id (an id or a list), else
     config.json's, as transformers reads them; a run's are those its export writes."""
@@ -216,6 +218,7 @@ def test_moe_greedy_equals_transformers_qwen3_moe(tmp_path):
     assert generate(model, prompt, max_new_tokens=32) == hf_greedy(reference, prompt, 32, eos=None)
 
 
+@pytest.mark.fast
 def test_the_command_line_says_what_is_wrong(tmp_path, capsys):
     assert generate_cli.main([str(tmp_path), "--prompt", "x"]) == 1
     err = capsys.readouterr().err

@@ -88,6 +88,7 @@ def test_as_many_microbatches_as_stages_is_enough_for_1f1b():
     check(compose(["parallel.pp=2", "train.micro_batch_size=8"]), 2)  # 16 / 8 = 2 microbatches, 2 stages
 
 
+@pytest.mark.fast
 def test_layer_split_counts_embedding_and_output_as_layers():
     assert layer_split(4, 2) == [range(0, 2), range(2, 4)]
     assert [len(r) for r in layer_split(8, 4)] == [2, 3, 2, 1]  # 10 units: 3,3,2,2 less embedding and output
@@ -116,6 +117,7 @@ def test_stages_keep_full_model_parameter_names():
     assert "layers.3.attention.wq.weight" in dict(last.named_parameters())
 
 
+@pytest.mark.fast
 def test_microbatch_rules_refuse_whatever_torchs_schedules_refuse():
     """pipeline.py's rules (which validation asks) against torch's own constructors: every count
     torch refuses is refused before any process group, for every schedule, 2 and 4 pp ranks."""
