@@ -287,6 +287,14 @@ class Parity:
 
     def __init__(self, store: RunStore):
         self.store, self.runs, self.checked, self.tolerances = store, {}, set(), {}
+        self.root = store.root  # where a test launches runs of its own (names of its own)
+
+    def run_dir(self, name: str, nproc: int, overrides: list[str]) -> Path:
+        """Where the run ``run`` gives for these would be, before it trains (a later run in the
+        same batch resumes from its checkpoint)."""
+        key = run_key(nproc, self.arguments(overrides))
+        record = self.store.record(key)
+        return Path(record["run_dir"]) if record else self.store.run_dir(name, key)
 
     def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
         arguments = self.arguments(overrides)

@@ -5,6 +5,7 @@ momentum saved at one layout resumes at another; validation names bad optim.muon
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,11 +200,18 @@ def test_a_split_matrix_gets_the_update_of_the_whole():
     mp.spawn(_update_on_two_ranks, args=(port,), nprocs=2)
 
 
+def saved_checkpoint(parity) -> Path:
+    """The dp2 x tp2 run's step-5 checkpoint, where that run is (or will be: the resume trains after
+    it in one launch)."""
+    nproc, overrides = LAYOUTS[SAVING]
+    return parity.run_dir(SAVING, nproc, [*PARITY, *overrides]) / "checkpoints" / "step_5"
+
+
 @pytest.fixture(scope="module")
 def muon_runs(parity):
     """The one-process references (dense, MoE) and their twins in one launch; the layouts, then the
     resume, in one 4-rank launch (the resume reads the checkpoint the dp2 x tp2 run wrote before it)."""
-    saved = parity.root / SAVING / "checkpoints" / "step_5"
+    saved = saved_checkpoint(parity)
     parity.prefetch_references(dict(REFERENCES.values()))
     resumed_name, (n, resumed) = RESUMED
     parity.prefetch({**{name: (n, [*PARITY, *o]) for name, (n, o) in LAYOUTS.items()},
@@ -236,7 +244,7 @@ def test_layout_trains_like_one_process(muon_runs, name):
 def test_muon_state_saved_at_dp2_tp2_resumes_at_dp2_pp2(muon_runs):
     reference, tolerance = muon_runs.measured(*REFERENCES[False])
     name, (nproc, overrides) = RESUMED
-    saved = muon_runs.root / SAVING / "checkpoints" / "step_5"
+    saved = saved_checkpoint(muon_runs)
     run = muon_runs.run(name, nproc, [*PARITY, *overrides, f"checkpoint.resume={saved}"])
     assert [r["step"] for r in run.metrics] == list(range(6, STEPS + 1))
     assert_matches(reference, run, tolerance=tolerance, metrics=("loss", "grad_norm"), weights=True)
