@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,14 @@ def resolve_device(device: str, available: str | None = None) -> str:
     if device == "auto":
         return available or ("cuda" if torch.cuda.is_available() else "cpu")
     return device
+
+
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a DTensor, without importing DTensor: a run that never made one (one
+    process, no tensor or data parallelism) never pays torch.distributed.tensor's import, and until
+    something imported it no value can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def world_size_from_env() -> int:

@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
+from parallel3d.base import is_dtensor
 from parallel3d.config.fault_tolerance import batch_share
 from parallel3d.config.schema import Config
 from parallel3d.data import BatchSpec
@@ -29,7 +28,7 @@ from parallel3d.optim.adamw import build_optimizer
 from parallel3d.optim.clip import clip_grad_norm_, perturb_gradients, settle_gradients
 from parallel3d.optim.muon import build_muon_adamw
 from parallel3d.optim.schedule import build_lr_scheduler
-from parallel3d.parallel import ParallelPlan, parallelize
+from parallel3d.parallel.compose import ParallelPlan, parallelize
 from parallel3d.parallel.context import shard_batch
 from parallel3d.parallel.data import set_gradient_sync
 from parallel3d.parallel.expert import ExpertLoads, configure_moe, reduce_expert_loads, update_router_bias
@@ -176,7 +175,7 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard
     s.loss_fn.set_trained_tokens(trained_tokens)
     # Under tensor parallelism the logits stay sharded over the vocabulary; the loss and its
     # backward are computed on the shards.
-    vocab_parallel = loss_parallel() if s.meshes.tp is not None else contextlib.nullcontext()
+    vocab_parallel = loss_parallel_context() if s.meshes.tp is not None else contextlib.nullcontext()
     with vocab_parallel:
         if s.pipeline is None:
             losses = _forward_backward(s, micro_batches)
@@ -222,7 +221,14 @@ def train_step(setup: Setup, micro_batches: MicroBatches, *, guard: BadStepGuard
 def whole_loss(loss: torch.Tensor) -> torch.Tensor:
     """A micro batch's loss as a plain tensor: under loss parallelism (tp) it is a replicated
     DTensor, the same whole value on every rank."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return loss.full_tensor() if is_dtensor(loss) else loss
+
+
+def loss_parallel_context() -> contextlib.AbstractContextManager:
+    """torch's loss_parallel, imported where tensor parallelism runs (DTensor's import is not free)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def reduce_loss(meshes: Meshes, loss_sum: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from parity_tolerance import Tolerance, log_comparison, measure, metric_spread, twins, weight_spread
+from process_guard import torchrun_only_in_multirank_tests  # noqa: F401  (a session fixture: see there)
+from run_store import RunStore, run_key, shared_root
 
 RUN_TIMEOUT_S = 300
 BATCH_TIMEOUT_S = 120
@@ -26,7 +28,8 @@ BATCH_SIZE = 8  # layouts per launch: bounds what one failure sends back to laun
 # round-off picks: after 10 steps one element of layers.1.attention.wv differed by 2.9e-5 between
 # tied layouts whose losses agreed to 2e-7. eps=1e-6 damps such elements, so the final weights'
 # sensitivity to round-off, and with it their derived tolerance (parity_tolerance.py), stays small.
-FAST = ["train.steps=10", "optim.warmup_steps=2", "train.seq_len=64", "train.global_batch_size=16", "optim.eps=1e-6"]
+STEPS = 10  # the FAST run's steps: a test that means "the last step" says STEPS
+FAST = [f"train.steps={STEPS}", "optim.warmup_steps=2", "train.seq_len=64", "train.global_batch_size=16", "optim.eps=1e-6"]
 
 
 @dataclass
@@ -44,6 +47,15 @@ class Run:
     @property
     def losses(self) -> list[float]:
         return [row["loss"] for row in self.metrics]
+
+    @classmethod
+    def from_record(cls, record: dict) -> Run:
+        """A run of tests/run_store.py's records."""
+        return cls(Path(record["run_dir"]), record["returncode"], record["stdout"], record["stderr"])
+
+    def record(self) -> dict:
+        return {"run_dir": str(self.run_dir), "returncode": self.returncode, "stdout": self.stdout,
+                "stderr": self.stderr}
 
     def assert_finished(self, steps: int) -> None:
         got = [row["step"] for row in self.metrics]
@@ -106,9 +118,19 @@ def launch_batch(root: Path, layouts: dict[str, list[str]], nproc: int) -> dict[
     runs = {}
     for name in layouts:
         results = [json.loads(p.read_text()) for p in sorted((root / f"{name}.batch").glob("rank*.json"))]
+        log_layout_cpu(name, nproc, [r.get("cpu_s", 0.0) for r in results])
         if len(results) == nproc and all(r["returncode"] == 0 for r in results):
             runs[name] = Run(root / name, 0, results[0]["stdout"], results[0]["stderr"])
     return runs
+
+
+def log_layout_cpu(name: str, nproc: int, cpu_s: list[float]) -> None:
+    """``P3D_TEST_CPU_LOG=FILE``: also a line per layout trained in a batch, its ranks' CPU seconds
+    summed (the launch's start-up apart), so that the cost of each layout of a matrix shows."""
+    log = os.environ.get("P3D_TEST_CPU_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"layout": name, "nproc": nproc, "cpu_s": round(sum(cpu_s), 2)}) + "\n")
 
 
 def launch_measured(root: Path, overrides: list[str], steps: int, name: str = "single",
@@ -242,37 +264,6 @@ def relative_error(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-# What starts a torchrun job: torchrun itself, or parallel3d-run (which hands over to it).
-TORCHRUN_COMMANDS = {"torchrun", "torch.distributed.run", "parallel3d-run", "parallel3d.launch.run"}
-
-
-def starts_torchrun(args) -> bool:
-    """Whether a command (as subprocess takes it: a list, or one string) runs torchrun."""
-    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-    return any(Path(word).name in TORCHRUN_COMMANDS for arg in argv for word in os.fsdecode(arg).split())
-
-
-@pytest.fixture(scope="session", autouse=True)
-def torchrun_only_in_multirank_tests(request):
-    """``-m "not multirank"`` promises a run without torchrun jobs: in a session that selected no
-    multirank test, starting one fails the test (or fixture) that tried, naming the missing mark.
-    (Where multirank tests run too, a shared fixture may start the jobs during any test.)"""
-    if any(item.get_closest_marker("multirank") for item in request.session.items):
-        yield
-        return
-    popen_init = subprocess.Popen.__init__
-
-    def refusing_torchrun(self, args, *rest, **kwargs):
-        if starts_torchrun(args):
-            pytest.fail(f"this test is not marked multirank but starts torchrun ({args}): "
-                        "mark the test that needs the job @pytest.mark.multirank")
-        popen_init(self, args, *rest, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(subprocess.Popen, "__init__", refusing_torchrun)
-        yield
-
-
 @pytest.fixture(autouse=True)
 def no_process_group_left():
     """A test that leaves the default process group up fails here, not the in-process tests after it
@@ -291,19 +282,31 @@ def runs_root(tmp_path_factory) -> Path:
 
 
 class Parity:
-    """Runs layouts once each and compares them with the single-process run of the same model."""
+    """Runs layouts once each and compares them with the single-process run of the same model.
+    The runs come from the session's RunStore: a layout any file of the session already trained
+    (in any xdist worker) is read, not trained again."""
 
-    def __init__(self, root: Path):
-        self.root, self.runs, self.checked, self.tolerances = root, {}, set(), {}
+    def __init__(self, store: RunStore):
+        self.store, self.runs, self.checked, self.tolerances = store, {}, set(), {}
+        self.root = store.root  # where a test launches runs of its own (names of its own)
+
+    def run_dir(self, name: str, nproc: int, overrides: list[str]) -> Path:
+        """Where the run ``run`` gives for these would be, before it trains (a later run in the
+        same batch resumes from its checkpoint)."""
+        key = run_key(nproc, self.arguments(overrides))
+        record = self.store.record(key)
+        return Path(record["run_dir"]) if record else self.store.run_dir(name, key)
 
     def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
-        if name not in self.runs:
-            self.runs[name] = launch(self.root / name, self.arguments(overrides), nproc=nproc)
-        run = self.runs[name]
-        if name not in self.checked:
-            run.assert_finished(10)
-            self.assert_planned_model_state(run, self.arguments(overrides), nproc)
-            self.checked.add(name)
+        arguments = self.arguments(overrides)
+        key = run_key(nproc, arguments)
+        if key not in self.runs:
+            self.runs[key] = Run.from_record(self.store.get({name: (nproc, arguments)})[name])
+        run = self.runs[key]
+        if key not in self.checked:
+            run.assert_finished(STEPS)
+            self.assert_planned_model_state(run, arguments, nproc)
+            self.checked.add(key)
         return run
 
     def train(self, layout: Layout, prefix: str = "", extra: list[str] = ()) -> Run:
@@ -311,14 +314,11 @@ class Parity:
         return self.run(prefix + layout.name, layout.nproc, [*extra, *layout.overrides])
 
     def prefetch(self, layouts: dict[str, tuple[int, list[str]]]) -> None:
-        """Train the layouts not yet run in one launch per rank count (see tests/layout_batch.py);
-        ``run`` then finds them, or launches on its own any that failed in a batch."""
-        pending = {name: layout for name, layout in layouts.items() if name not in self.runs}
-        for nproc in sorted({n for n, _ in pending.values()}):
-            group = {name: self.arguments(o) for name, (n, o) in pending.items() if n == nproc}
-            for start in range(0, len(group), BATCH_SIZE):
-                chunk = dict(list(group.items())[start:start + BATCH_SIZE])
-                self.runs |= launch_batch(self.root, chunk, nproc)
+        """Train the layouts no test of the session ran yet, a few per launch (tests/run_store.py);
+        ``run`` then reads them."""
+        wanted = {name: (n, self.arguments(o)) for name, (n, o) in layouts.items()}
+        records = self.store.get({name: spec for name, spec in wanted.items() if run_key(*spec) not in self.runs})
+        self.runs |= {run_key(*wanted[name]): Run.from_record(record) for name, record in records.items()}
 
     @staticmethod
     def arguments(overrides: list[str]) -> list[str]:
@@ -370,9 +370,23 @@ class Parity:
         assert_matches(reference, run, tolerance=tolerance, weights=True)
 
 
+def _batch_records(root: Path, layouts: dict[str, list[str]], nproc: int) -> dict[str, dict]:
+    return {name: run.record() for name, run in launch_batch(root, layouts, nproc).items()}
+
+
+def _one_record(run_dir: Path, overrides: list[str], nproc: int) -> dict:
+    return launch(run_dir, overrides, nproc=nproc).record()
+
+
 @pytest.fixture(scope="session")
-def parity(runs_root) -> Parity:
-    return Parity(runs_root)
+def run_store(tmp_path_factory) -> RunStore:
+    """The session's shared runs (tests/run_store.py), seen by every xdist worker."""
+    return RunStore(shared_root(tmp_path_factory.getbasetemp()), _batch_records, _one_record, BATCH_SIZE)
+
+
+@pytest.fixture(scope="session")
+def parity(run_store) -> Parity:
+    return Parity(run_store)
 
 
 @pytest.fixture(scope="session")
@@ -388,3 +402,10 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every point
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+DESELECTED: list[str] = []  # tests/test_inventory.py: this session collected its items and these
+
+
+def pytest_deselected(items) -> None:
+    DESELECTED.extend(item.nodeid for item in items)

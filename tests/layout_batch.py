@@ -21,6 +21,7 @@ import io
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -84,6 +85,7 @@ def main(spec_path: str) -> int:
         if store is not None:
             dist.init_process_group("gloo", store=dist.PrefixStore(f"layout_batch/{index}/pg/", store),
                                     rank=rank, world_size=world_size, timeout=TIMEOUT)
+        cpu = time.process_time()
         try:
             code, out, err = train_one(layout["run_dir"], layout["overrides"])
         finally:
@@ -92,7 +94,9 @@ def main(spec_path: str) -> int:
             torch._dynamo.reset()  # each layout compiles its own model, as in a launch of its own
         result = Path(f"{layout['run_dir']}.batch") / f"rank{rank}.json"
         result.parent.mkdir(parents=True, exist_ok=True)
-        result.write_text(json.dumps({"returncode": code, "stdout": out, "stderr": err}))
+        # cpu_s: this rank's CPU seconds for the layout (what it costs the suite beside the launch's start-up)
+        result.write_text(json.dumps({"returncode": code, "stdout": out, "stderr": err,
+                                      "cpu_s": round(time.process_time() - cpu, 2)}))
         if not all_succeeded(store, index, rank, world_size, code):
             return 1
     return 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAST, Run, assert_matches, launch, launch_batch, relative_error, selected_params
+from conftest import FAST, STEPS, Run, assert_matches, launch, launch_batch, relative_error, selected_params
 from parity_tolerance import Tolerance
 
 import parallel3d.checkpoint.checkpointer as checkpoint_module
@@ -51,7 +51,7 @@ class Saved:
     def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
         if name not in self.runs:
             self.runs[name] = launch(self.root / name, [*SAVE, *overrides], nproc=nproc)
-        self.runs[name].assert_finished(10)
+        self.runs[name].assert_finished(STEPS)
         return self.runs[name]
 
     def resume(self, name: str, source: Run, nproc: int, overrides: list[str], step: int = 5) -> Run:
@@ -59,8 +59,8 @@ class Saved:
             self.runs[name] = launch(self.root / name, self.resume_arguments(source.run_dir.name, overrides, step),
                                      nproc=nproc)
         run = self.runs[name]
-        run.assert_finished(10)
-        assert [row["step"] for row in run.metrics] == list(range(step + 1, 11)), run.stdout[-2000:]
+        run.assert_finished(STEPS)
+        assert [row["step"] for row in run.metrics] == list(range(step + 1, STEPS + 1)), run.stdout[-2000:]
         return run
 
     def resume_arguments(self, source: str, overrides: list[str], step: int = 5) -> list[str]:
@@ -115,11 +115,11 @@ def test_auto_resume_continues_exactly(saved):
     rows = (resumed_dir / "metrics.jsonl").read_text().splitlines()
     (resumed_dir / "metrics.jsonl").write_text("\n".join(rows[:7]) + "\n")  # it had logged step 7
     run = launch(resumed_dir, [*SAVE])
-    run.assert_finished(10)
+    run.assert_finished(STEPS)
     assert "resumed from" in run.stdout and "step_5" in run.stdout
-    assert [row["step"] for row in run.metrics] == list(range(1, 11))  # one row per step, none repeated
+    assert [row["step"] for row in run.metrics] == list(range(1, STEPS + 1))  # one row per step, none repeated
     assert_matches(whole, run, tolerance=0.0)  # the same operations in the same order: bit for bit
-    assert complete_steps(resumed_dir / "checkpoints") == [5, 10]
+    assert complete_steps(resumed_dir / "checkpoints") == [5, STEPS]
 
 
 @pytest.mark.multirank
@@ -166,7 +166,7 @@ RESHARDS = [
 @pytest.mark.parametrize("name,saved_at,continued_at", RESHARDS, ids=[r[0] for r in RESHARDS])
 def test_reshard(saved, parity, name, saved_at, continued_at):
     source = saved.run(*saved_at)
-    assert complete_steps(source.run_dir / "checkpoints") == [5, 10]
+    assert complete_steps(source.run_dir / "checkpoints") == [5, STEPS]
     run = saved.resume(name, source, *continued_at)
     tied = "model.tie_embeddings=true" in saved_at[2]
     assert_continues(run, source, parity.reference(tied=tied), parity.tolerance(tied=tied))
@@ -185,7 +185,7 @@ def test_seed_checkpoint_starts_any_layout(saved, parity):
     assert json.loads((step0 / "meta.json").read_text())["model_only"]
     assert not seed_run.metrics  # it trains nothing
     from_seed = launch(saved.root / "from-seed", [*FAST, f"checkpoint.init_from={step0}", "parallel.tp=2"], nproc=2)
-    from_seed.assert_finished(10)
+    from_seed.assert_finished(STEPS)
     direct = launch(saved.root / "init-std", [*FAST, "model.init_std=0.05"])
     # another layout: the default family's tolerance (the same model, data and optimizer)
     assert_matches(direct, from_seed, tolerance=parity.tolerance(), metrics=("loss",))
@@ -214,6 +214,7 @@ def _checkpointer(tmp_path: Path, **cfg) -> Checkpointer:
     return Checkpointer(tmp_path, CheckpointConfig(**cfg))
 
 
+@pytest.mark.fast
 def test_load_restores_model_optimizer_schedule_and_rng(tmp_path):
     saved = _tiny_state()
     for _ in range(3):
@@ -361,6 +362,7 @@ def _saves_on_two_ranks(rank: int, folder: Path) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_each_rank_hashes_its_own_files_and_verifies_its_share(tmp_path):
     """Two processes: each rank hashes exactly the files it wrote (sync and async), a failed async
     commit raises the same line on both ranks at the same step, and each block is verified once."""
@@ -397,6 +399,7 @@ def test_resume_takes_a_step_folder_a_checkpoints_folder_or_a_run_dir(tmp_path):
         pick_checkpoint(tmp_path / "other" / "checkpoints", str(tmp_path / "missing"), announce=False)
 
 
+@pytest.mark.fast
 def test_optimizer_state_is_named_by_parameter_whatever_the_group_order():
     """AdamW's no-decay group (the norms) comes after the decay group, unlike the model's order:
     each saved moment must still carry its own parameter's name and shape."""

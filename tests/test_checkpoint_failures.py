@@ -332,6 +332,7 @@ def test_a_non_finite_state_is_not_saved_and_the_good_checkpoint_stays(tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
 
 
+@pytest.mark.fast
 def test_checkpoint_errors_are_one_line_naming_the_path_and_the_fix(tmp_path):
     from torch.distributed.checkpoint import CheckpointException
 
@@ -349,6 +350,7 @@ def test_checkpoint_errors_are_one_line_naming_the_path_and_the_fix(tmp_path):
             raise PermissionError(13, "Permission denied", str(tmp_path / "x"))
 
 
+@pytest.mark.fast
 def test_an_error_every_rank_raised_is_printed_once(tmp_path, capsys):
     shared, own = CheckpointError("disk full", every_rank=True), RunError("rank 1's own file")
     for rank in (0, 1):

@@ -22,6 +22,7 @@ DOCS = ["hello world", "grüße, 世界 — ∑ x²", "", "def f(x):\n    return
 
 # --- tokenizers -------------------------------------------------------------------------------------
 
+@pytest.mark.fast
 def test_byte_tokenizer_round_trip_and_special_ids():
     tok = load_tokenizer("byte")
     assert isinstance(tok, ByteTokenizer)
@@ -174,6 +175,7 @@ def test_prepare_data_tool(tmp_path):
     assert tok.decode(tf.tokens.tolist()) == "".join(txt)
 
 
+@pytest.mark.fast
 def test_prepare_data_tool_rejects_missing_arguments(tmp_path):
     proc = _prepare("--input", str(tmp_path))
     assert proc.returncode != 0
@@ -262,6 +264,7 @@ def test_micro_batches_are_windows_and_shifted_targets(dp_size):
             assert rows == len(ids)
 
 
+@pytest.mark.fast
 def test_same_seed_and_step_give_same_ids_in_any_order():
     tokens = _tokens(30)
     a, b = _sampler(tokens, seed=3), _sampler(tokens, seed=3)

@@ -47,6 +47,7 @@ def test_chat_ids_equal_transformers(style, add_generation_prompt):
             assert not any(a == b == eot for a, b in zip(ids, ids[1:])), "no double end of turn"
 
 
+@pytest.mark.fast
 def test_mask_is_exactly_the_assistant_turns(style):
     name, reference, tokenizer, template = style
     for messages, replies in zip(CONVERSATIONS, REPLIES[name]):

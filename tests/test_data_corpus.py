@@ -11,7 +11,7 @@ rather than Parity.run: these runs compare with each other, not with the stdlib 
 from __future__ import annotations
 
 import pytest
-from conftest import FAST, Run, assert_matches, launch, launch_measured
+from conftest import FAST, STEPS, Run, assert_matches, launch, launch_measured
 from data_files import write_mixture
 from parity_tolerance import Tolerance
 
@@ -41,8 +41,8 @@ class MixtureRuns:
     def run(self, name: str, nproc: int, overrides: list[str], steps_from: int = 1):
         if name not in self.runs:
             run = launch(self.root / name, self.arguments(name, overrides), nproc=nproc)
-            run.assert_finished(10)
-            assert [r["step"] for r in run.metrics] == list(range(steps_from, 11)), run.stderr[-2000:]
+            run.assert_finished(STEPS)
+            assert [r["step"] for r in run.metrics] == list(range(steps_from, STEPS + 1)), run.stderr[-2000:]
             self.runs[name] = run
         return self.runs[name]
 
@@ -65,11 +65,11 @@ def test_one_process_reports_tokens_per_source_and_data_wait(mixture):
     for row in run.metrics:
         consumed = [row[f"tokens/{s}"] for s in SOURCES]
         assert sum(consumed) == row["step"] * 16 * 64  # cumulative input tokens, every sample counted once
-        assert 0 <= row["data_wait_s"] < 5
+        assert row["data_wait_s"] >= 0  # how long it is: BENCHMARKS (f), not a bound a loaded machine may cross
     last = run.metrics[-1]
     assert last["tokens/web"] > max(last["tokens/books"], last["tokens/wiki"])  # weight 2 against 1 and 1
     assert mixture.tokenized_by("single") == {"rank 0"}
-    assert [r["step"] for r in run.metrics if "val_loss" in r] == [5, 10]
+    assert [r["step"] for r in run.metrics if "val_loss" in r] == [5, STEPS]
 
 
 @pytest.mark.multirank

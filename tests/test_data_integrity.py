@@ -33,6 +33,7 @@ def test_same_size_edit_with_the_mtime_kept_is_tokenized_again(tmp_path):
     assert tok.decode(TokenFile(after.train).tokens.tolist()).startswith("gamma document")
 
 
+@pytest.mark.fast
 def test_an_unchanged_file_is_hashed_once(tmp_path, monkeypatch):
     data, memo = write_jsonl(tmp_path / "a.jsonl", documents("a", 20)), tmp_path / "digests"
     first = integrity.remembered_digest(data, memo)

@@ -44,6 +44,7 @@ def test_dp_slices_concatenate_to_the_single_process_batch(dp_size):
         assert [w for s in ranks for w in s.window_ids(step)] == single.window_ids(step)
 
 
+@pytest.mark.fast
 def test_order_is_a_pure_function_of_seed_and_step():
     a, b = _sampler(seed=3), _sampler(seed=3)
     forward = [a.window_ids(s) for s in range(1, 600)]  # > one BLOCK of positions

@@ -26,6 +26,7 @@ def sample(n: int, trained_from: int) -> tuple[list[int], list[bool]]:
     return list(range(10, 10 + n)), [i >= trained_from for i in range(n)]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("packing", [True, False])
 @pytest.mark.parametrize("truncation", ["truncate", "drop"])
 def test_rows_pack_pad_and_count_what_does_not_fit(packing, truncation):

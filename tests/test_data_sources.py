@@ -22,6 +22,7 @@ def _read(path) -> list[str]:
     return [t for shard in src.resolve(str(path)) for t in src.documents(shard, "text")]
 
 
+@pytest.mark.fast
 def test_every_source_kind_reads_its_documents_in_order(tmp_path):
     a, b = documents("a", 30), documents("b", 20)
     assert _read(write_jsonl(tmp_path / "a.jsonl", a)) == a

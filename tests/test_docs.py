@@ -75,11 +75,21 @@ def run_documented_command(command: str, capsys, monkeypatch) -> str:
         monkeypatch.setattr(sys, "argv", argv)
         run = getattr(importlib.import_module(module), function)
     try:
-        code = run()
+        returned = run()
+        code = None if argv[0] == "python" else returned  # run_path returns the script's globals
     except SystemExit as e:
         code = e.code
-    assert not isinstance(code, int) or code == 0, command
+    # None or 0 only: SystemExit("text") is an exit with status 1 that printed its text.
+    assert code in (None, 0), f"{command} exited with {code!r}"
     return capsys.readouterr().out
+
+
+def test_a_documented_command_that_exits_with_a_message_fails(tmp_path, capsys, monkeypatch):
+    """sys.exit("text") is exit status 1: the manual's commands must not end that way and pass."""
+    script = tmp_path / "refuses.py"
+    script.write_text('import sys\nsys.exit("refused: and so exit status 1")\n')
+    with pytest.raises(AssertionError, match="exited with 'refused: and so exit status 1'"):
+        run_documented_command(f"python {script}", capsys, monkeypatch)
 
 
 # planner.md's examples that take seconds; the 64-GPU searches rank many more layouts and are
@@ -223,6 +233,7 @@ PATH = r"\b((?:parallel3d|tools|tests|conf|recipes|docs)/[\w./-]*\w)(?![<{\w*])"
 IN_THE_WHEEL = {"parallel3d/conf", "parallel3d/recipes"}  # conf/ and recipes/ as pyproject.toml maps them
 
 
+@pytest.mark.fast
 def test_every_path_the_docs_name_exists():
     """parallel3d/, tools/, tests/, conf/, recipes/ and docs/ paths in README.md, BENCHMARKS.md and
     docs/ (after a file moves, the manual must follow it)."""

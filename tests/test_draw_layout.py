@@ -18,6 +18,7 @@ from parallel3d.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
+@pytest.mark.fast
 def test_rank_grid_is_the_device_mesh():
     dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
     try:

@@ -51,6 +51,7 @@ def comm(report: RankReport) -> dict[tuple[str, str], int]:
     return {(dim, kind): s.bytes for dim, kinds in report.comm.items() for kind, s in kinds.items()}
 
 
+@pytest.mark.fast
 def test_a_bad_config_fails_before_anything_is_built():
     with pytest.raises(ConfigError, match="parallel.tp=3"):
         dry_run(["parallel.tp=3"], world_size=6)  # tiny's 4 heads do not split 3 ways
@@ -393,6 +394,7 @@ def test_comm_bytes_3d_zero2_match_the_planner(three_d):
     assert view == pytest.approx(plan)
 
 
+@pytest.mark.fast
 def test_comm_bytes_3d_zero3_match_the_planner(three_d):
     view, plan = _planner_3d(three_d, 3)
     assert view == pytest.approx(plan)
@@ -411,6 +413,7 @@ def test_a_training_step_never_waits_for_the_device(world, overrides):
     assert run_rank(OmegaConf.to_object(check(cfg, world)), world, 0, fake=False).host_reads == []
 
 
+@pytest.mark.fast
 def test_host_reads_are_recorded():
     from parallel3d.planner.dryrun import CommRecorder
 

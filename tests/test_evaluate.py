@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import RUN_TIMEOUT_S, assert_matches, env, layouts, prefetch_selected, relative_error
+from conftest import RUN_TIMEOUT_S, STEPS, assert_matches, env, layouts, prefetch_selected, relative_error
 from parity_tolerance import ONE_PASS
 
 from parallel3d.base import ConfigError
@@ -39,6 +39,7 @@ def token_files(tmp_path_factory) -> tuple[Path, Path]:
             paragraph_token_file(root / "heldout.bin", "email", 60_000))
 
 
+@pytest.mark.fast
 def test_eval_is_due_every_n_steps_and_at_the_last(token_files):
     tokens = open_eval_corpus(DataConfig(), EvalConfig(sources=[str(token_files[1])])).tokens
     spec = BatchSpec(16, 4, 64)
@@ -94,13 +95,13 @@ def documents_reference(parity, token_files):
 
 def test_reference_evaluates_at_every_and_last_step(documents_reference, token_files):
     rows = documents_reference.metrics
-    assert [r["step"] for r in rows if "val_loss" in r] == [5, 10]
+    assert [r["step"] for r in rows if "val_loss" in r] == [5, STEPS]
     for row in rows:
         if "val_loss" in row:
             assert row["val_perplexity"] == pytest.approx(math.exp(row["val_loss"]), rel=1e-12)
     assert rows[-1]["val_loss"] < rows[4]["val_loss"]  # it learns, and the held-out loss shows it
     console = documents_reference.stdout + documents_reference.stderr
-    assert sum(f"val_loss {rows[s - 1]['val_loss']:.4f}" in console for s in (5, 10)) == 2
+    assert sum(f"val_loss {rows[s - 1]['val_loss']:.4f}" in console for s in (5, STEPS)) == 2
 
 
 def test_document_masking_changes_training(documents_reference, token_files, parity):

@@ -209,6 +209,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_
     assert resume in err, err[-3000:]
 
 
+@pytest.mark.fast
 def test_stop_signals_agree_ctrl_c_twice_exits_at_once(tmp_path, capsys):
     from parallel3d.runtime.signals import StopSignals
 

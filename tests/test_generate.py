@@ -122,6 +122,7 @@ def test_a_left_padded_batch_generates_what_each_prompt_does_alone(overrides):
     assert generate_in_batches(model, prompts, batch_size=4, max_new_tokens=6, temperature=1.0, seed=4) == sampled
 
 
+@pytest.mark.fast
 def test_the_cache_refuses_tokens_past_its_length():
     model = random_model([])
     with pytest.raises(ValueError, match="holds 4 tokens"), torch.no_grad():
@@ -230,6 +231,7 @@ def test_the_run_says_what_it_tokenizes(trained):
     assert f"parallel3d: tokenized {trained.run.run_dir.parent / 'chats.jsonl'} (90 record, " in out
 
 
+@pytest.mark.fast
 def test_end_tokens_are_the_folders(tmp_path):
     """A folder's end tokens are generation_config.json's eos_token_id (an id or a list), else
     config.json's, as transformers reads them; a run's are those its export writes."""
@@ -276,6 +278,7 @@ def test_moe_greedy_equals_transformers_qwen3_moe(tmp_path):
     assert generate(model, prompt, max_new_tokens=32) == hf_greedy(reference, prompt, 32, eos=None)
 
 
+@pytest.mark.fast
 def test_the_command_line_says_what_is_wrong(tmp_path, capsys):
     assert generate_cli.main([str(tmp_path), "--prompt", "x"]) == 1
     err = capsys.readouterr().err

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAST, assert_matches, launch_batch, tensorboard_scalars
+from conftest import FAST, STEPS, assert_matches, launch_batch, tensorboard_scalars
 from parity_tolerance import measure, twins
 
 from parallel3d.runtime.guard import SPIKE_MIN_STEPS, BadStepGuard, TrainingDiverged
@@ -33,6 +33,7 @@ def decide(g: BadStepGuard, step: int, loss: float, norm: float) -> bool:
     return g.update_allowed(torch.tensor(loss), torch.tensor(norm))
 
 
+@pytest.mark.fast
 def test_non_finite_loss_or_norm_is_skipped_and_counted():
     g = guard()
     assert decide(g, 1, 2.0, 1.0) and not g.skipped
@@ -78,6 +79,7 @@ def test_rollback_after_max_bad_steps_skips_the_data_and_stops_the_second_time()
         resumed.rolled_back(at_step=9, to_step=5, global_batch_size=16)
 
 
+@pytest.mark.fast
 def test_one_rank_bad_is_every_rank_bad():
     """Only rank 1 sees a NaN loss (a rank-local decision would update rank 0 and not rank 1): both
     skip. Two gloo ranks as threads of this process, over a store in memory."""
@@ -100,9 +102,9 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _assert_skipped_7(rows: list[dict]) -> None:
-    assert [r["step"] for r in rows] == list(range(1, 11))
-    assert [r["skipped"] for r in rows] == [s == 7 for s in range(1, 11)]
-    assert [r["skipped_steps"] for r in rows] == [int(s >= 7) for s in range(1, 11)]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["skipped"] for r in rows] == [s == 7 for s in range(1, STEPS + 1)]
+    assert [r["skipped_steps"] for r in rows] == [int(s >= 7) for s in range(1, STEPS + 1)]
     assert math.isnan(rows[6]["loss"])
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, Run, env, launch, relative_error
+from conftest import FAST, STEPS, Run, env, launch, relative_error
 from omegaconf import OmegaConf
 from parity_tolerance import ONE_PASS
 from safetensors import safe_open
@@ -60,7 +60,7 @@ class Models:
     def run(self, name: str) -> Run:
         if name not in self.runs:
             run = launch(self.root / name, [*FAST, "checkpoint.every=10", *MODELS[name]])
-            run.assert_finished(10)
+            run.assert_finished(STEPS)
             self.runs[name] = run
         return self.runs[name]
 
@@ -114,6 +114,7 @@ def tokens(cfg: ModelConfig) -> torch.Tensor:
 NAMED = {"untied": [], "tied": ["model.tie_embeddings=true"], "llama3_8b": ["model=llama3_8b"]}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", NAMED)
 def test_names_map_one_to_one(name):
     cfg = model_config(NAMED[name])
@@ -128,7 +129,7 @@ def test_names_map_one_to_one(name):
 @pytest.mark.parametrize("name", NAMED)
 def test_names_and_shapes_are_transformers_llama(name):
     """Our names, renamed, are exactly LlamaForCausalLM's parameters for the config.json we write."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = model_config(NAMED[name])
     with torch.device("meta"):
         ours = Transformer(cfg)
@@ -265,7 +266,7 @@ def test_init_from_export_at_another_layout(models):
 
 def test_byte_run_exports_a_tokenizer_that_tokenizes_as_training_did(models):
     """A byte-tokenizer run's folder: AutoTokenizer gives ByteTokenizer's ids, 256 is its EOS."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from parallel3d.data.tokenizer import ByteTokenizer
 
     out = models.export("untied")
@@ -282,7 +283,7 @@ def test_byte_run_exports_a_tokenizer_that_tokenizes_as_training_did(models):
 @pytest.mark.parametrize("name", MODELS)
 def test_transformers_computes_our_logits(models, name, tmp_path):
     """Our export in LlamaForCausalLM: same logits; and what transformers saves, we load back exactly."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     ours = from_checkpoint(models, name)
     theirs = transformers.LlamaForCausalLM.from_pretrained(models.export(name), dtype=torch.float32).eval()
     batch = tokens(ours.cfg)
@@ -324,7 +325,7 @@ def test_families_export_to_transformers_and_back(name, tmp_path):
     from what transformers itself saves."""
     from dataclasses import asdict
 
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = family_config(name)
     ours = fresh_model(cfg)
     ours.init_weights(seed=3)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from hf_files import tiny_qwen3, token_batch
 from omegaconf import OmegaConf
 
@@ -22,7 +23,6 @@ from parallel3d.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_has
 from parallel3d.models import Transformer
 from parallel3d.planner import predict
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -64,6 +64,7 @@ def test_the_folder_alone_defines_model_and_tokenizer(folders, family):
     assert planned == 4 * sum(p.numel() for p in theirs.parameters())
 
 
+@pytest.mark.fast
 def test_a_set_key_that_disagrees_is_refused_naming_both_values(folders, tmp_path, monkeypatch):
     folder = folders["qwen3"]
     with pytest.raises(ConfigError, match=r"its config.json has rope_theta=1000000.0 but model.rope_theta=500000.0 "
@@ -112,6 +113,7 @@ def test_a_field_the_model_cannot_honour_is_refused(folders, tmp_path, case):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.fast
 def test_llama3_rope_scaling_is_read(folders, tmp_path):
     folder = shutil.copytree(folders["qwen3"], tmp_path / "llama")
     config = json.loads((folder / "config.json").read_text())

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
@@ -19,7 +20,6 @@ from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.hf import families
 from parallel3d.models import Transformer
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -115,6 +115,7 @@ def test_the_folder_out_is_the_folder_in(tmp_path):
         torch.testing.assert_close(again(tokens).logits, reference(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("field, value", [("quantization_config", {"quant_method": "fp8"}), ("rope_interleave", False)])
 def test_weights_or_rope_the_model_cannot_read_are_refused(tmp_path, field, value):
     from parallel3d.base import ConfigError

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+import transformers
 from conftest import FAST, launch_batch
 from hf_files import TEXT, tiny_qwen3, token_batch
 from safetensors.torch import load_file, save_file
@@ -23,7 +24,6 @@ from parallel3d.config.schema import CheckpointConfig
 from parallel3d.data.tokenizer import load_tokenizer
 from parallel3d.models import Transformer
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 FAMILIES = ("qwen3", "qwen3_moe")
 

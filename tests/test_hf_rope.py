@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from omegaconf import OmegaConf
 
 from parallel3d.base import ConfigError
@@ -20,7 +21,6 @@ from parallel3d.config.schema import CheckpointConfig, ModelConfig
 from parallel3d.hf import families
 from parallel3d.models import Transformer
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

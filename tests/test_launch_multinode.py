@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import FAST, Run, env, launch
+from conftest import FAST, STEPS, Run, env, launch
 from virtual_cluster import TERMINAL, Nodes, SlurmCluster, cluster_unavailable, nodes_unavailable
 
 pytestmark = pytest.mark.multirank
@@ -28,7 +28,7 @@ TIMEOUT_S = 300  # a run takes ~30 s; under pytest's own 600 s per test, so our 
 def reference(tmp_path_factory) -> Run:
     """The same layout under plain torchrun on one node."""
     run = launch(tmp_path_factory.mktemp("single_node") / "run", [*FAST, *LAYOUT], nproc=4)
-    run.assert_finished(10)
+    run.assert_finished(STEPS)
     return run
 
 
@@ -60,7 +60,7 @@ def test_torchrun_on_two_nodes(rendezvous, reference, tmp_path):
         codes = wait_all(procs, TIMEOUT_S)
     logs = "\n".join(f"--- {name}\n{(tmp_path / f'{name}.log').read_text()[-3000:]}" for name in nodes.names)
     run = Run(run_dir, 0, "", f"exit codes {codes}\n{logs}")
-    run.assert_finished(10)  # 4 ranks at 2 per node: a finished run had both nodes in it
+    run.assert_finished(STEPS)  # 4 ranks at 2 per node: a finished run had both nodes in it
     assert run.losses == reference.losses  # the same layout: the same operations, bit for bit
 
 
@@ -98,7 +98,7 @@ def test_slurm_job_on_two_nodes(reference, tmp_path):
     # finished run ("terminate called without an active exception" from a C++ static destructor,
     # see parallel3d/train.py main()), and the job would then end FAILED.
     run = Run(run_dir, 0, "", why)
-    run.assert_finished(10)
+    run.assert_finished(STEPS)
     assert run.losses == reference.losses  # the same layout: the same operations, bit for bit
 
 
@@ -128,5 +128,5 @@ def test_slurm_job_requeues_itself_before_its_time_limit_and_resumes(reference, 
     assert f"job {job_id} (restart 1)" in log, why
     assert "resumed from" in log, why
     run = Run(run_dir, 0, "", why)
-    run.assert_finished(10)
+    run.assert_finished(STEPS)
     assert run.losses == reference.losses  # the same layout: the same operations, bit for bit

@@ -34,6 +34,7 @@ def sbatch_options(script: str) -> list[str]:
     return [line.split(None, 1)[1] for line in script.splitlines() if line.startswith("#SBATCH")]
 
 
+@pytest.mark.fast
 def test_script_asks_for_the_allocation(gpu_script):
     tmp, stdout, script = gpu_script
     assert script in stdout  # a dry run shows what it wrote

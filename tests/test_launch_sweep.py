@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from parallel3d.launch.sweep import expand, plan
 
 
+@pytest.mark.fast
 def test_expand_follows_hydra_sweep_syntax():
     jobs = expand(["recipe=tiny_cpu", "optim.lr=1e-3,3e-3", "parallel.tp=range(1,3)", "+slurm.env.A=choice(x,y)"])
     assert [varies for _, varies in jobs] == [

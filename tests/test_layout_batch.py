@@ -3,9 +3,11 @@ only the layouts that finished on every rank (the rest run in launches of their 
 
 from __future__ import annotations
 
+import pytest
 from conftest import FAST, launch_batch
 
 
+@pytest.mark.fast
 def test_a_failed_layout_ends_the_batch_and_is_not_returned(tmp_path):
     layouts = {"refused": [*FAST, "train.steps=2", "parallel.tp=3"],  # 3 ranks needed, 1 given
                "after": [*FAST, "train.steps=2"]}

@@ -34,6 +34,7 @@ def test_a_clean_folder_verifies_in_every_mode(tmp_path):
         verify_manifest(folder, "sha")
 
 
+@pytest.mark.fast
 def test_each_kind_of_damage_is_named(tmp_path):
     folder = folder_with_manifest(tmp_path)
     data = bytearray((folder / "a.bin").read_bytes())
@@ -117,6 +118,7 @@ def _verify_on_two_ranks(folder, monkeypatch) -> tuple[dict, dict]:
     return answers, hashed
 
 
+@pytest.mark.fast
 def test_ranks_split_the_verification_and_agree_on_the_first_problem(tmp_path, monkeypatch):
     """Each block is read by one rank only, and both ranks answer what one process would."""
     monkeypatch.setattr(manifest_module, "BLOCK", 1000)

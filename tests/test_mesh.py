@@ -57,6 +57,7 @@ def _coords(rank: int, dims: ParallelDims) -> dict[str, int]:
     return coords
 
 
+@pytest.mark.fast
 def test_build_mesh_4d(fake_world):
     fake_world(rank=0)
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, pp=2)
@@ -124,6 +125,7 @@ def test_cp_sits_between_dp_shard_and_tp_and_fsdp_shards_over_dp_shard_x_cp(fake
     assert meshes.dp.mesh.tolist() == [base + c["cp"] * 2 + d * 4 for d in range(2)]  # data: dp only
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("rank", [0, 5])
 def test_ep_borrows_tp_then_cp_then_dp_shard_ranks(fake_world, rank):
     """8 ranks, dp_shard=2 cp=2 tp=2: ep neighbours are consecutive ranks of dp_shard x cp x tp

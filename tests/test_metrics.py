@@ -135,6 +135,7 @@ def test_wandb_offline_records_the_run_and_continues_it_after_resume(tmp_path, m
     assert new_id != run_id and offline_run(run_dir)[-1]["id"] == new_id
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name, dtype, expected", [
     ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
     ("NVIDIA H100 PCIe", "bfloat16", 756e12),  # not the SXM part's figure
@@ -167,8 +168,10 @@ def test_an_explicit_offline_wandb_mode_always_wins(monkeypatch, environ, config
     assert wandb_mode(configured) == expected
 
 
-def test_wandb_online_without_a_server_continues_offline_within_seconds(tmp_path, monkeypatch, capsys):
-    """An API key and no reachable server (a closed port on loopback): offline, with a warning."""
+def test_wandb_online_without_a_server_continues_offline(tmp_path, monkeypatch, capsys):
+    """An API key and no reachable server (a closed port on loopback): offline, with a warning. The
+    warning comes from our reachability check, before wandb.init: so no online init waits for its
+    timeout (how long it takes: tools/bench_timeouts.py, BENCHMARKS (o))."""
 
     from parallel3d.config.schema import WandbConfig
     from parallel3d.observe.metrics import start_wandb
@@ -180,10 +183,8 @@ def test_wandb_online_without_a_server_continues_offline_within_seconds(tmp_path
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
-    started = time.monotonic()
     run = start_wandb(WandbConfig(enabled=True, mode="online"), tmp_path, {"a": 1})
     try:
-        assert time.monotonic() - started < 60
         assert run.settings.mode == "offline"
         assert "wandb server unreachable: logging offline" in capsys.readouterr().err
     finally:
@@ -193,7 +194,8 @@ def test_wandb_online_without_a_server_continues_offline_within_seconds(tmp_path
 
 def test_wandb_online_with_a_silent_server_continues_offline(tmp_path, monkeypatch, capsys):
     """A server on loopback that accepts connections and never answers (server_reachable passes):
-    wandb.init times out and the run goes on offline, with one line."""
+    wandb.init times out and the run goes on offline, with one line that names the timeout it waited
+    (how long it takes: tools/bench_timeouts.py, BENCHMARKS (o))."""
     from parallel3d.config.schema import WandbConfig
     from parallel3d.observe.metrics import start_wandb
 
@@ -219,10 +221,8 @@ def test_wandb_online_with_a_silent_server_continues_offline(tmp_path, monkeypat
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
     try:
-        started = time.monotonic()
         run = start_wandb(WandbConfig(enabled=True, mode="online"), tmp_path, {"a": 1})
         try:
-            assert time.monotonic() - started < 60
             assert run.settings.mode == "offline" and accepted  # it did connect, and heard nothing
             (line,) = [x for x in capsys.readouterr().err.splitlines() if "parallel3d" in x]
             assert "did not answer within 3 s" in line and "logging offline" in line, line

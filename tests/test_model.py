@@ -81,6 +81,7 @@ def test_forward_shape_and_finite(tiny, tiny_cfg):
     assert abs(loss.item() - math.log(tiny_cfg.vocab_size)) < 0.5
 
 
+@pytest.mark.fast
 def test_forward_is_causal(tiny, tiny_cfg):
     tokens = torch.randint(0, tiny_cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     changed = tokens.clone()
@@ -114,6 +115,7 @@ def test_init_is_deterministic_in_seed(tiny_cfg):
             assert not torch.equal(a[name], c[name]), name
 
 
+@pytest.mark.fast
 def test_init_depends_on_parameter_name_and_std(tiny_cfg):
     sd = build(tiny_cfg, 0).state_dict()
     # Same shape, different names: different values.
@@ -161,6 +163,9 @@ def test_tied_embeddings_survive_materialization(tiny_cfg):
 # --- layout independence of init under FSDP -------------------------------------------------------
 
 WORLD = 4
+# Against a hang: four spawned ranks each import torch before they start, which on a loaded machine
+# takes minutes, not seconds.
+RANKS_TIMEOUT_S = 300
 FSDP_CFG = dict(vocab_size=257, n_layers=2)  # vocab 257 rows shard unevenly over 4 ranks (65, 65, 65, 62)
 
 
@@ -206,6 +211,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.multirank
 def test_init_is_layout_independent_under_fsdp(tmp_path):
     import torch.multiprocessing as mp
 
@@ -218,7 +224,7 @@ def test_init_is_layout_independent_under_fsdp(tmp_path):
         p.start()
     try:
         for p in procs:
-            p.join(timeout=60)
+            p.join(timeout=RANKS_TIMEOUT_S)
     finally:
         for p in procs:
             if p.is_alive():

@@ -43,6 +43,7 @@ def test_document_inputs_follow_the_data_config():
     assert set(both) == {"doc_ids", "positions"} and both["positions"][0, LENGTHS[0]] == 0
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_masked_attention_equals_each_document_alone(kv_heads):
     torch.manual_seed(0)

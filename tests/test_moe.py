@@ -51,6 +51,7 @@ def per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).view_as(x)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("moe", [
     {},
     {"norm_topk_prob": False, "shared_experts": 1},

@@ -5,10 +5,11 @@ momentum saved at one layout resumes at another; validation names bad optim.muon
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_matches
+from conftest import STEPS, assert_matches
 from omegaconf import OmegaConf
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -136,6 +137,7 @@ def test_a_skipped_step_moves_neither_weights_nor_momentum(one_thread):
     torch.testing.assert_close((wq.detach(), setup.optimizer.state[wq]["momentum_buffer"]), before, rtol=0, atol=0)
 
 
+@pytest.mark.fast
 def test_the_parameter_rule():
     """Block matrices and stacked experts: Muon's; embedding, head, norms and routers: AdamW's."""
     setup = _setup(MOE)
@@ -245,11 +247,18 @@ def test_the_planner_counts_the_exchange_the_dry_run_measures(world, overrides):
     assert plan.step_time.exposed_comm_s >= sum(planned.values()) / Hardware().intra_node_bw
 
 
+def saved_checkpoint(parity) -> Path:
+    """The dp2 x tp2 run's step-5 checkpoint, where that run is (or will be: the resume trains after
+    it in one launch)."""
+    nproc, overrides = LAYOUTS[SAVING]
+    return parity.run_dir(SAVING, nproc, [*PARITY, *overrides]) / "checkpoints" / "step_5"
+
+
 @pytest.fixture(scope="module")
 def muon_runs(parity):
     """The one-process references (dense, MoE) and their twins in one launch; the layouts, then the
     resume, in one 4-rank launch (the resume reads the checkpoint the dp2 x tp2 run wrote before it)."""
-    saved = parity.root / SAVING / "checkpoints" / "step_5"
+    saved = saved_checkpoint(parity)
     parity.prefetch_references(dict(REFERENCES.values()))
     resumed_name, (n, resumed) = RESUMED
     parity.prefetch({**{name: (n, [*PARITY, *o]) for name, (n, o) in LAYOUTS.items()},
@@ -282,7 +291,7 @@ def test_layout_trains_like_one_process(muon_runs, name):
 def test_muon_state_saved_at_dp2_tp2_resumes_at_dp2_pp2(muon_runs):
     reference, tolerance = muon_runs.measured(*REFERENCES[False])
     name, (nproc, overrides) = RESUMED
-    saved = muon_runs.root / SAVING / "checkpoints" / "step_5"
+    saved = saved_checkpoint(muon_runs)
     run = muon_runs.run(name, nproc, [*PARITY, *overrides, f"checkpoint.resume={saved}"])
-    assert [r["step"] for r in run.metrics] == list(range(6, 11))
+    assert [r["step"] for r in run.metrics] == list(range(6, STEPS + 1))
     assert_matches(reference, run, tolerance=tolerance, metrics=("loss", "grad_norm"), weights=True)

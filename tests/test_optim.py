@@ -56,6 +56,7 @@ def test_cosine_ends_at_min_ratio_at_final_step():
     assert f[-1] == pytest.approx(MIN_RATIO)
 
 
+@pytest.mark.fast
 def test_wsd_flat_then_linear_decay_to_min_ratio():
     decay_fraction = 0.25
     f = factors("wsd", decay_fraction=decay_fraction, min_ratio=0.0)
@@ -127,6 +128,7 @@ def _params_with_grads(*grads: list[float]) -> list[nn.Parameter]:
     return params
 
 
+@pytest.mark.fast
 def test_clip_grad_norm_scales_down_to_max_norm():
     params = _params_with_grads([3.0, 0.0], [0.0, 4.0, 12.0])  # global norm sqrt(9 + 16 + 144) = 13
     before = [p.grad.clone() for p in params]
@@ -205,6 +207,7 @@ def test_build_optimizer_implementations_step_on_cpu(implementation):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.fast
 def test_build_optimizer_implementations_agree():
     """Every implementation computes the same AdamW update."""
     results = {}
@@ -344,15 +347,15 @@ def test_grad_norms_agree_across_layouts_at_adamw_default_eps(tmp_path):
     suite's eps=1e-6; the twin's noise, relative to each tensor's root mean square, reaches those
     elements as a reordered sum does. (The norm itself is summed in float64:
     test_total_norm_sums_in_float64.)"""
-    from conftest import FAST, assert_matches, launch, launch_batch, launch_measured
+    from conftest import FAST, STEPS, assert_matches, launch, launch_batch, launch_measured
 
     overrides = [*FAST, *_bpe_corpus(tmp_path), "optim.eps=1e-8"]
-    single, tolerance = launch_measured(tmp_path, [*overrides, "train.micro_batch_size=16"], steps=10,
+    single, tolerance = launch_measured(tmp_path, [*overrides, "train.micro_batch_size=16"], steps=STEPS,
                                         metrics=("loss", "grad_norm"), weights=False)
     layouts = {"dp4-zero3": ["parallel.zero_stage=3", "train.micro_batch_size=4"],
                "dp2-tp2": ["parallel.tp=2", "train.micro_batch_size=8"]}
     runs = launch_batch(tmp_path, {name: [*overrides, *layout] for name, layout in layouts.items()}, nproc=4)
     for name, layout in layouts.items():  # one the batch did not finish runs on its own
         run = runs[name] if name in runs else launch(tmp_path / name, [*overrides, *layout], nproc=4)
-        run.assert_finished(10)
+        run.assert_finished(STEPS)
         assert_matches(single, run, tolerance=tolerance, metrics=("loss", "grad_norm"))

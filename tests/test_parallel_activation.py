@@ -62,6 +62,7 @@ def _forward_backward(mode: str) -> tuple[int, int]:
     return sum(saved), flops.get_total_flops()
 
 
+@pytest.mark.fast
 def test_checkpointing_trades_memory_for_recompute_as_documented():
     (none_mem, none_flops), (op_mem, op_flops), (sel_mem, sel_flops), (full_mem, full_flops) = (
         _forward_backward(m) for m in ("none", "op", "selective", "full"))

@@ -19,6 +19,7 @@ from conftest import layouts, prefetch_selected
 from parallel3d.parallel.context import ContextParallelAttention, local_attention, shard_positions, shard_sequence
 
 
+@pytest.mark.fast
 def test_head_tail_shards_cover_the_sequence_once_and_balance_causal_work():
     seq, cp = 16, 4
     x = torch.arange(seq)[None]
@@ -75,6 +76,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_attention_matches_one_process_forward_and_backward(cp):
     """Both methods, float64, outputs and q/k/v gradients: a failing rank's assertion propagates."""

@@ -46,6 +46,7 @@ def fake_world():
         dist.destroy_process_group()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("wrap,units", [
     ("block", {"", "layers.0", "layers.1", "layers.2", "layers.3"}),
     # feed_forward (147k params) reaches 100k alone; attention (49k) and norms stay with the root.

@@ -6,7 +6,7 @@ and ep2 x cp2 borrow the tp and cp ranks for ep (parallel/expert.py)."""
 from __future__ import annotations
 
 import pytest
-from conftest import FAST, assert_matches, final_weights, launch, layouts, prefetch_selected, relative_error
+from conftest import FAST, STEPS, assert_matches, final_weights, launch, layouts, prefetch_selected, relative_error
 from parity_tolerance import ONE_PASS
 
 from parallel3d.base import ConfigError
@@ -94,11 +94,11 @@ def test_checkpoints_reshard_ep2_to_ep4_to_one_process(parity, moe_tolerance):
     source = parity.train(SAVING, prefix="moe-", extra=MOE)  # the parity run, saving every 4
     ep4 = launch(parity.root / "moe-resumed-ep4", [*FAST, *MOE, "parallel.ep=4", "checkpoint.every=4",
                  f"checkpoint.resume={source.run_dir / 'checkpoints' / 'step_4'}"], nproc=4)
-    ep4.assert_finished(10)
+    ep4.assert_finished(STEPS)
     single = launch(parity.root / "moe-resumed-single", [*FAST, *MOE, "train.save_model=true",
                     f"checkpoint.resume={ep4.run_dir / 'checkpoints' / 'step_8'}"])
-    single.assert_finished(10)
-    assert [r["step"] for r in ep4.metrics] == list(range(5, 11)) and [r["step"] for r in single.metrics] == [9, 10]
+    single.assert_finished(STEPS)
+    assert [r["step"] for r in ep4.metrics] == list(range(5, STEPS + 1)) and [r["step"] for r in single.metrics] == [9, STEPS]
     assert_matches(source, ep4, tolerance=moe_tolerance, metrics=("loss", "aux_loss"))
     assert_matches(source, single, tolerance=moe_tolerance, metrics=("loss", "aux_loss"), weights=True)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torchao.float8  # noqa: F401  (pyproject's dev extra: missing, this file fails, not skips)
 from conftest import assert_matches, layouts, prefetch_selected, relative_error
 from omegaconf import OmegaConf
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -28,8 +29,6 @@ from parallel3d.parallel.float8 import Float8Plan, apply_float8, float8_block_pl
 from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.tensor import apply_tensor_parallel, block_plan
 from parallel3d.validate import check
-
-pytest.importorskip("torchao.float8")
 
 TOLERANCE = 1e-2
 FLOAT8 = ["train.float8=tensorwise", "train.float8_skip_small=false", "train.param_dtype=bfloat16"]
@@ -55,6 +54,7 @@ def converted(overrides: list[str]) -> list[str]:
     return names
 
 
+@pytest.mark.fast
 def test_block_linears_convert_and_the_head_does_not():
     names = converted(FLOAT8)
     assert names == [f"layers.{i}.{layer}" for i in range(4) for layer in BLOCK_LINEARS]

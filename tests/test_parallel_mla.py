@@ -41,6 +41,7 @@ def test_mla_layout_trains_like_one_process(parity, layout):
     assert_matches(reference, parity.train(layout, prefix="mla-", extra=MLA), tolerance=tolerance, weights=True)
 
 
+@pytest.mark.fast
 def test_mla_refuses_what_it_lacks():
     with pytest.raises(ConfigError, match="model.qk_norm"):
         check(compose(["model=tiny_mla", "model.qk_norm=true", "run_dir=/nonexistent"]), 1)

@@ -88,6 +88,7 @@ def test_as_many_microbatches_as_stages_is_enough_for_1f1b():
     check(compose(["parallel.pp=2", "train.micro_batch_size=8"]), 2)  # 16 / 8 = 2 microbatches, 2 stages
 
 
+@pytest.mark.fast
 def test_layer_split_counts_embedding_and_output_as_layers():
     assert layer_split(4, 2) == [range(0, 2), range(2, 4)]
     assert [len(r) for r in layer_split(8, 4)] == [2, 3, 2, 1]  # 10 units: 3,3,2,2 less embedding and output
@@ -116,6 +117,7 @@ def test_stages_keep_full_model_parameter_names():
     assert "layers.3.attention.wq.weight" in dict(last.named_parameters())
 
 
+@pytest.mark.fast
 def test_microbatch_rules_refuse_whatever_torchs_schedules_refuse():
     """pipeline.py's rules (which validation asks) against torch's own constructors: every count
     torch refuses is refused before any process group, for every schedule, 2 and 4 pp ranks."""
@@ -124,20 +126,22 @@ def test_microbatch_rules_refuse_whatever_torchs_schedules_refuse():
     from torch.distributed.pipelining import PipelineStage
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from parallel3d.parallel.pipeline import SCHEDULES as CLASSES
-    from parallel3d.parallel.pipeline import fits_rounds, min_microbatches, stages_per_rank
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    from parallel3d.parallel.pipeline import fits_rounds, is_single_stage, min_microbatches, schedule_class, stages_per_rank
 
     for pp in (2, 4):
         dist.init_process_group("fake", rank=0, world_size=pp, store=FakeStore())
         try:
             for name in SCHEDULES:
+                assert is_single_stage(name) == issubclass(schedule_class(name), PipelineScheduleSingle), name
                 per_rank = stages_per_rank(name, None)
                 ids = [0, 2 * pp - 1] if per_rank == 2 and name in ("ZBVZeroBubble", "DualPipeV") else \
                     [k * pp for k in range(per_rank)]
                 stages = [PipelineStage(torch.nn.Linear(2, 2), i, pp * per_rank, torch.device("cpu")) for i in ids]
                 for n in range(1, 3 * pp + 2):
                     try:
-                        CLASSES[name](stages[0] if per_rank == 1 else stages, n, loss_fn=lambda y, t: y.sum())
+                        schedule_class(name)(stages[0] if per_rank == 1 else stages, n, loss_fn=lambda y, t: y.sum())
                     except ValueError:
                         assert n < min_microbatches(name, pp, pp * per_rank) or not fits_rounds(name, pp, n), (name, n)
         finally:

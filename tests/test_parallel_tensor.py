@@ -50,6 +50,7 @@ def tp_world():
         dist.destroy_process_group()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_plan_splits_each_layer_as_documented(tp_world, sequence_parallel):
     with torch.device("meta"):

@@ -27,7 +27,7 @@ from parallel3d.config.compose import compose
 from parallel3d.models import Transformer
 from parallel3d.observe.metrics import model_state_bytes
 from parallel3d.optim.adamw import build_optimizer
-from parallel3d.parallel import ParallelPlan, parallelize
+from parallel3d.parallel.compose import ParallelPlan, parallelize
 from parallel3d.parallel.mesh import ParallelDims, build_mesh
 from parallel3d.parallel.pipeline import V_SCHEDULES, TiedEmbeddings, build_parts
 from parallel3d.planner import Hardware, SearchSpace, predict, rank_layouts
@@ -146,6 +146,7 @@ def test_model_state_is_exact_on_every_rank(name):
     assert plan.model_state_bytes == {k: max(m[k] for m in measured) for k in measured[0]}
 
 
+@pytest.mark.fast
 def test_sharding_arithmetic_by_hand():
     """tiny (0.92M params) on 4 ranks: after a step ZeRO-1 to 3 hold a quarter of everything (plus
     one 4-byte AdamW step per parameter tensor), DDP all of it."""
@@ -185,6 +186,7 @@ def test_bubble_formulas_match_torchs_schedules(schedule, p):
         assert bubble_fraction(schedule, p, m, v) == pytest.approx(simulated, abs=1e-9), (m, simulated)
 
 
+@pytest.mark.fast
 def test_bubble_textbook_values():
     assert bubble_fraction("1F1B", 4, 8) == pytest.approx(3 / 11)  # (p-1)/(m+p-1)
     assert bubble_fraction("Interleaved1F1B", 4, 8, 2) == pytest.approx(3 / 19)  # (p-1)/(vm+p-1)
@@ -308,6 +310,7 @@ def _cluster_config(model: str, *, seq_len: int, global_batch_size: int):
                     "train.param_dtype=bfloat16", "train.reduce_dtype=float32"])
 
 
+@pytest.mark.fast
 def test_small_model_on_one_node_gets_plain_data_parallelism():
     cands = rank_layouts(_cluster_config("llama3_1b", seq_len=2048, global_batch_size=64), 8)
     best = next(c for c in cands if c.recommended)
@@ -367,6 +370,7 @@ def test_predict_validates_and_leaves_the_config_alone():
     assert predict(dataclass_cfg, 4).model_state_bytes == plan.model_state_bytes
 
 
+@pytest.mark.fast
 def test_cli_ranks_and_breaks_down(tmp_path, capsys):
     from parallel3d.cli.plan_layout import main
 

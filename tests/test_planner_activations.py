@@ -169,6 +169,7 @@ def test_activation_bytes_per_microbatch(name):
         assert abs(predicted - kept) <= 0.01 * kept, (mode, dtype, predicted, kept)
 
 
+@pytest.mark.fast
 def test_checkpointing_and_parallelism_shrink_activations_in_order():
     sizes = {}
     for mode in ("none", "op", "selective", "full"):
@@ -209,6 +210,7 @@ def ep_activations(rank: int, port: int, overrides: list[str], result) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_expert_parallel_activation_bytes():
     """ep2: the planner's count under balanced routing, plus what each received copy more or fewer
     keeps on the rank (its experts' hiddens and, with no checkpointing, its row in expert order,

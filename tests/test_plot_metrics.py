@@ -52,6 +52,7 @@ def test_load_metrics_sorts_by_step_and_keeps_the_last_row_of_a_repeated_step(tm
     assert load_metrics(path.parent) == load_metrics(path)
 
 
+@pytest.mark.fast
 def test_lines_are_the_logged_values_per_run(two_runs):
     a, b = two_runs
     data = dict(zip(run_labels([a, b]), map(load_metrics, [a, b])))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_matches, layouts, prefetch_selected
+from conftest import assert_matches, layouts, prefetch_selected, selected_params
 from omegaconf import OmegaConf
 from parity_tolerance import measure
 from torch.distributed.fsdp import FSDPModule
@@ -56,7 +56,10 @@ def reference_overrides(micro_batch_size: int) -> list[str]:
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/layout_batch.py),
-    the one-process references (and the twins of the first) in one more."""
+    the one-process references (and the twins of the first) in one more; none when no layout is
+    selected (-k, -m fast: only the in-process tests)."""
+    if not selected_params(request, "layout"):
+        return
     prefetch_selected(request, parity, LAYOUTS)
     (m, name), *others = REFERENCES.items()
     parity.prefetch_references({name: reference_overrides(m)},
@@ -105,6 +108,7 @@ def test_one_process_in_bf16_casts_as_fsdp_does_and_keeps_float32_masters():
             dist.destroy_process_group()
 
 
+@pytest.mark.fast
 def test_one_process_in_float32_runs_without_a_wrapper_or_process_group():
     setup = _one_process_setup("float32")
     assert setup.meshes.world is None and not dist.is_initialized()

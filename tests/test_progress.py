@@ -13,6 +13,7 @@ import sys
 import termios
 import time
 
+import pytest
 from conftest import env
 
 from parallel3d.progress import Progress
@@ -56,6 +57,7 @@ def test_terminal_gets_a_redrawn_bar_with_eta_loss_and_checkpoint_status():
     assert any(re.fullmatch(r"parallel3d: saved checkpoint step_3 \(\d+\.\d s\)", line) for line in shown)
 
 
+@pytest.mark.fast
 def test_not_a_terminal_gets_plain_lines_only():
     out, bars = io.StringIO(), io.StringIO()
     _train_six_steps(Progress(enabled=True, file=bars, out=out))

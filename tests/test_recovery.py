@@ -353,14 +353,16 @@ def test_a_hung_rank_fails_its_peers_within_the_timeout(tmp_path, jobs, referenc
     os.kill(stopped, signal.SIGSTOP)
     hung_at = time.monotonic()
     while any(_alive(pid) for pid in peers):
-        assert time.monotonic() - hung_at < 3 * timeout_s, f"peers of the stopped rank still waiting\n{job.log()}"
+        # A bound against a hang, not a speed claim: gloo's message below says the timeout fired, and
+        # how soon it does is tools/bench_timeouts.py's (BENCHMARKS (o)).
+        assert time.monotonic() - hung_at < JOB_TIMEOUT_S, f"peers of the stopped rank still waiting\n{job.log()}"
         time.sleep(0.05)
     failed_after = time.monotonic() - hung_at
     print(f"peers failed {failed_after:.1f} s after the stop", flush=True)
     assert f"Timed out waiting {timeout_s * 1000}ms" in job.log(), job.log()[-4000:]  # gloo's own timeout
     assert failed_after > timeout_s / 2
     while _alive(stopped):  # torchrun's SIGTERM stays pending on a stopped process; its SIGKILL does not
-        assert time.monotonic() - hung_at < failed_after + TORCHRUN_TEARDOWN_S + 15, "torchrun left it hanging"
+        assert time.monotonic() - hung_at < failed_after + TORCHRUN_TEARDOWN_S + JOB_TIMEOUT_S, "left hanging"
         time.sleep(0.1)
     print(f"stopped rank killed {time.monotonic() - hung_at:.1f} s after the stop", flush=True)
     assert_recovered(job.wait(), reference("dp2"), [trial])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from parallel3d.observe.report import main, report
 
 
@@ -30,6 +32,7 @@ def row(step, loss, slowest, **extra):
             "data_wait_min_s": 0.0, "slowest_data_rank": 1, "skipped_steps": step // 4, **extra}
 
 
+@pytest.mark.fast
 def test_report_summarizes_a_run(tmp_path, capsys):
     run_dir = tmp_path / "run"
     write_run(run_dir, [row(s, 6.0 - s / 2, 3 if s > 2 else 0) for s in range(1, 9)] + [

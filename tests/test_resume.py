@@ -24,6 +24,7 @@ def fake_checkpoint(root, step: int, model_only: bool = False):
     return path
 
 
+@pytest.mark.fast
 def test_corrupt_files_are_found_and_auto_resume_falls_back(tmp_path, capsys):
     good, newest = fake_checkpoint(tmp_path, 2), fake_checkpoint(tmp_path, 4)
     assert checkpoint_problem(good) is None
@@ -49,6 +50,7 @@ def test_a_checkpoint_past_train_steps_is_refused(tmp_path):
     assert check_not_past_end(fake_checkpoint(tmp_path, 9, model_only=True), 5) == 0
 
 
+@pytest.mark.fast
 def test_config_changes_name_each_key():
     old = "optim:\n  lr: 0.003\ntrain:\n  steps: 4\nrun_dir: /a\n"
     new = "optim:\n  lr: 0.001\ntrain:\n  steps: 4\n  seed: 1\nrun_dir: /b\n"

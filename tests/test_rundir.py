@@ -32,6 +32,7 @@ def imported_modules(path: Path) -> set[str]:
     return names | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
 
 
+@pytest.mark.fast
 def test_nothing_in_launch_imports_train_and_train_imports_no_launcher():
     package = Path(__file__).resolve().parent.parent / "parallel3d"
     for path in (package / "launch").glob("*.py"):
@@ -39,6 +40,7 @@ def test_nothing_in_launch_imports_train_and_train_imports_no_launcher():
     assert not any(m.startswith("parallel3d.launch") for m in imported_modules(package / "train.py"))
 
 
+@pytest.mark.fast
 def test_a_second_live_run_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
@@ -25,6 +26,7 @@ def _batches(setup, n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randint(0, vocab, (t.micro_batch_size, t.seq_len), generator=g)) for _ in range(n)]
 
 
+@pytest.mark.fast
 def test_one_step_returns_the_mean_token_loss_and_updates_the_weights():
     setup = _setup([])
     assert setup.pipeline is None and setup.tied is None and setup.parts == [setup.model]
@@ -51,6 +53,7 @@ def test_activation_checkpointing_reaches_the_model_through_the_plan():
     assert "forward" in vars(checkpointed.model.layers["0"]) and "forward" not in vars(plain.model.layers["0"])
 
 
+@pytest.mark.fast
 def test_the_step_moves_the_sigmoid_routers_bias_by_its_load():
     """The bias step follows the optimizer's inside train_step: each block's bias moves by
     bias_update_rate against the sign of (load - mean load) of the step's token copies."""

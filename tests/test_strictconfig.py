@@ -11,6 +11,7 @@ from parallel3d.launch.run import first_config_error, take_recipes_dir
 from parallel3d.validate import check
 
 
+@pytest.mark.fast
 def test_a_key_added_with_plus_is_refused_with_the_nearest_key():
     with pytest.raises(ConfigError, match=r"^train.stepz=10: not a key of the config schema. Fix: use train.steps.$"):
         check(compose(["+train.stepz=10"]), 1)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import parallel3d
 
 PACKAGE = Path(parallel3d.__file__).resolve().parent
@@ -96,6 +98,7 @@ def test_the_cycle_finder_finds_a_cycle_and_accepts_a_chain():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
+@pytest.mark.fast
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
 
@@ -106,6 +109,7 @@ def test_library_modules_never_import_the_entry_points():
     assert upward == []
 
 
+@pytest.mark.fast
 def test_no_function_over_60_lines():
     long = []
     for path in PACKAGE.rglob("*.py"):
@@ -136,6 +140,7 @@ def test_every_wing_has_a_floor():
     assert set(wing_graph()) - set(WINGS) == set(), "add the new wing to WINGS and docs/architecture.md"
 
 
+@pytest.mark.fast
 def test_wings_import_only_downwards():
     floor = {wing: i for i, wing in enumerate(WINGS)}
     upward = [f"{wing} imports {target}" for wing, targets in wing_graph().items() for target in targets

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import FAST, Run, assert_matches, env, launch, launch_measured, relative_error
+from conftest import FAST, STEPS, Run, assert_matches, env, launch, launch_measured, relative_error
 
 from parallel3d.optim.schedule import lr_factor
 
@@ -66,7 +66,7 @@ def test_divergence_stops_with_the_step(tmp_path):
     assert "Traceback" not in run.stderr
     stopped = len(run.metrics) + 1
     assert f"at step {stopped}: training diverged" in run.stderr, run.stderr
-    assert stopped < 10
+    assert stopped < STEPS
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
@@ -75,16 +75,16 @@ def test_one_process_trains_alike_at_every_zero_stage(tmp_path, parity, zero_sta
     batches trains as the default single process does (another order of the same sums: within the
     tolerance its sensitivity implies, tests/parity_tolerance.py)."""
     run = launch(tmp_path / f"zero{zero_stage}", [*FAST, f"parallel.zero_stage={zero_stage}", "train.micro_batch_size=4"])
-    run.assert_finished(10)
+    run.assert_finished(STEPS)
     assert_matches(parity.reference(), run, tolerance=parity.tolerance(), metrics=("loss",))
 
 
 def test_log_every_and_wsd_schedule(tmp_path):
     run = launch(tmp_path / "wsd", [*FAST, "optim=adamw_wsd", "logging.log_every=4"])
-    run.assert_finished(10)
-    assert [r["step"] for r in run.metrics] == [4, 8, 10]  # and always the last step
-    expected = [3e-3 * lr_factor(s - 1, steps=10, warmup=2, schedule="wsd", min_ratio=0.0, decay_fraction=0.2)
-                for s in (4, 8, 10)]
+    run.assert_finished(STEPS)
+    assert [r["step"] for r in run.metrics] == [4, 8, STEPS]  # and always the last step
+    expected = [3e-3 * lr_factor(s - 1, steps=STEPS, warmup=2, schedule="wsd", min_ratio=0.0, decay_fraction=0.2)
+                for s in (4, 8, STEPS)]
     assert [r["lr"] for r in run.metrics] == pytest.approx(expected)
     assert run.metrics[0]["lr"] == pytest.approx(3e-3)  # on the plateau
 
@@ -112,7 +112,7 @@ def test_bfloat16_one_process_and_offline_wandb(tmp_path):
 def test_launcher_runs_torchrun_with_mixed_precision_fsdp(tmp_path, reference_run):
     run = launch(tmp_path / "launcher", [*FAST, "parallel=zero2", "train.param_dtype=bfloat16",
                                          "train.micro_batch_size=4"], nproc=2, launcher="parallel3d-run")
-    run.assert_finished(10)
+    run.assert_finished(STEPS)
     # bf16 compute, fp32 master weights and reduction: close to the fp32 run, not equal to it.
     assert relative_error(run.losses, reference_run.losses) < 2e-2
     assert yaml.safe_load((run.run_dir / "config.yaml").read_text())["parallel"]["dp_shard"] == 2

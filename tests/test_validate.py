@@ -122,6 +122,7 @@ def test_accelerate_strategy_names_set_the_zero_stage(strategy, replicate, stage
     assert (cfg.parallel.zero_stage, cfg.parallel.dp_shard) == (3, -1)  # the given config is left as it was
 
 
+@pytest.mark.fast
 def test_dp_shard_minus_one_takes_the_ranks_left_over():
     cfg = compose(["parallel.dp_replicate=2", "train.micro_batch_size=1"])
     assert check(cfg, 8).parallel.dp_shard == 4
@@ -150,6 +151,7 @@ def _assert_clean(proc: subprocess.CompletedProcess, *words: str) -> None:
         assert word in proc.stderr, proc.stderr
 
 
+@pytest.mark.fast
 def test_train_prints_one_clean_line(tmp_path):
     proc = _run(["-m", "parallel3d.train", "parallel.zero_stage=5"], tmp_path)
     _assert_clean(proc, "parallel.zero_stage=5", "Fix:")
@@ -165,6 +167,7 @@ def test_unknown_keys_and_wrong_types_are_refused_by_the_schema(override, word, 
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and word in stderr, stderr
 
 
+@pytest.mark.fast
 def test_launcher_validates_for_the_torchrun_world_size_without_starting_it(monkeypatch, capsys):
     code, stderr = refused_by_the_launcher(["--nproc-per-node=4", "parallel.dp_shard=3"], monkeypatch, capsys)
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr

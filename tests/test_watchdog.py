@@ -24,9 +24,11 @@ from conftest import env
 from parallel3d.runtime.watchdog import Hang, hang_line
 
 TIMEOUT_S = 10
+HANG_S = 180  # against a hang: longer than any wait here takes, even on a loaded machine
 STACKS = "Python stacks of every thread"
 
 
+@pytest.mark.fast
 def test_describe_names_silent_late_and_frozen_ranks():
     assert hang_line(Hang(7, "all_reduce called from parallel3d/runtime/guard.py:97 (update_allowed)", [1], {1: 6}), 0) == (
         "rank 1 (last seen at step 6) stopped answering (no heartbeat) while rank 0 waited at step 7 in all_reduce "
@@ -111,14 +113,15 @@ def test_a_stopped_rank_is_named_and_every_stack_is_logged(tmp_path):
                                start_new_session=True)
     try:
         metrics = run_dir / "metrics.jsonl"
-        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 180, "step 3", log)
+        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, HANG_S, "step 3", log)
         workers = _workers(job.pid)
         os.kill(workers[1], signal.SIGSTOP)
         stopped_after = json.loads(metrics.read_text().splitlines()[-1])["step"]
-        took = _wait(lambda: not _alive(workers[0]), TIMEOUT_S + 30, "rank 0 to give up", log)
-        assert took < TIMEOUT_S + 30
+        # A bound against a hang, not a speed claim (that is tools/bench_timeouts.py's): the line
+        # checked below names train.dist_timeout_s, so the timeout is what ended rank 0's wait.
+        _wait(lambda: not _alive(workers[0]), HANG_S, "rank 0 to give up", log)
         os.kill(workers[1], signal.SIGCONT)  # as a frozen machine that comes back: now it can dump
-        _wait(lambda: job.poll() is not None, 60, "torchrun to end", log)
+        _wait(lambda: job.poll() is not None, HANG_S, "torchrun to end", log)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.tensor import DTensor
 
-from parallel3d.base import RunError
+from parallel3d.base import RunError, is_dtensor
 
 
 class CheckpointError(RunError):
@@ -75,7 +74,7 @@ def checkpoint_errors(path: Path, *, saving: bool, every_rank: bool = False):
 
 def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     """The keys of tensors (this rank's shards) holding NaN or Inf: one flag per tensor, one sync."""
-    floating = [(k, t.to_local() if isinstance(t, DTensor) else t) for k, t in tensors.items()
+    floating = [(k, t.to_local() if is_dtensor(t) else t) for k, t in tensors.items()
                 if t.is_floating_point()]
     if not floating:
         return []

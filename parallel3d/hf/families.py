@@ -18,9 +18,8 @@ checkpoints hold), so an expert is a row of ours: a view, again no copy.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from parallel3d.base import is_dtensor
 from parallel3d.config.schema import ModelConfig, head_dim
 from parallel3d.hf import deepseek
 from parallel3d.models.lora import is_adapter
@@ -77,7 +76,9 @@ def hf_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, t
     if ".experts.w" not in name:
         return {to_hf(name, cfg): tensor}
     first = 0
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         first = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)[1][0]
         tensor = tensor.to_local()
     _, index, rest = name.split(".", 2)

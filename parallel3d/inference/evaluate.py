@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 
 import numpy as np
 import torch
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel3d.data import BatchSpec, StepSampler, Workers, open_eval_corpus
 from parallel3d.data.checks import check_heldout
 from parallel3d.progress import Progress
-from parallel3d.step import Setup, rank_batch, reduce_loss, whole_loss
+from parallel3d.step import Setup, loss_parallel_context, rank_batch, reduce_loss, whole_loss
 
 
 class Evaluator:
@@ -76,7 +75,7 @@ def _batch_loss(s: Setup, micro_batches) -> torch.Tensor:
     """This rank's loss on its share of one global batch (forward only; the caller disables grad).
     Each micro batch is prepared as training prepares it (``setup.rank_batch``: device, document
     inputs, the context-parallel share); under pp the pipeline runs them (``Pipeline.forward_only``)."""
-    vocab_parallel = loss_parallel if s.meshes.tp is not None else contextlib.nullcontext
+    vocab_parallel = loss_parallel_context if s.meshes.tp is not None else contextlib.nullcontext
     loss_sum = torch.zeros((), device=s.device)
     with vocab_parallel():
         if s.pipeline is not None:
@@ -93,7 +92,8 @@ def _reshard(model: torch.nn.Module) -> None:
     """Put FSDP's sharded parameters back: a forward without backward leaves the root (and, with
     reshard_after_forward=False, every unit) holding its unsharded parameters, which are then the
     modules' registered parameters, not the optimizer's (a checkpoint saved next would miss them)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: nothing was sharded
+    for module in model.modules() if fsdp is not None else ():
+        if isinstance(module, fsdp.FSDPModule):
             module.reshard()
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from parallel3d.base import is_dtensor
 from parallel3d.config.schema import ModelConfig, RopeScaling, head_dim
 from parallel3d.models.attention import rotary_tables, sdpa
 from parallel3d.models.kv_cache import BlockCache, KVCache
@@ -162,7 +162,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # init_weights sets every weight (the same values in every layout): nn.Embedding's own normal_
+        # init would be overwritten, and on the meta device it runs through torch._refs, which
+        # imports torch._dynamo (seconds of start-up on every rank of every run).
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         # Tied embeddings are one parameter used twice, not two modules sharing a weight:
@@ -251,7 +254,9 @@ def _init_param(param: torch.Tensor, name: str, seed: int, std: float | None, bo
         generator = torch.Generator(device=param.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
         full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
         full = full.uniform_(-bound, bound, generator=generator) if bound else full.normal_(0, std, generator=generator)
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
         # Every rank drew the same full tensor: keep the local part, no communication needed.
         local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         param.to_local().copy_(local)

@@ -43,9 +43,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from parallel3d.base import ConfigError
+from parallel3d.base import ConfigError, is_dtensor
 from parallel3d.config.schema import LoRAConfig, ModelConfig
 from parallel3d.models.moe import is_moe_layer
 
@@ -158,7 +157,9 @@ def _add_adapter(linear: nn.Linear, lora: LoRAConfig) -> None:
     out_features, in_features = weight.shape  # a DTensor's shape is the whole weight's
     a = torch.empty(lora.rank, in_features, device=weight.device, dtype=weight.dtype)
     b = torch.empty(out_features, lora.rank, device=weight.device, dtype=weight.dtype)
-    if isinstance(weight, DTensor):
+    if is_dtensor(weight):
+        from torch.distributed.tensor import distribute_tensor
+
         a_placements, b_placements = adapter_placements(weight.placements)
         a = distribute_tensor(a, weight.device_mesh, a_placements, src_data_rank=None)
         b = distribute_tensor(b, weight.device_mesh, b_placements, src_data_rank=None)
@@ -171,6 +172,8 @@ def _add_adapter(linear: nn.Linear, lora: LoRAConfig) -> None:
 
 def adapter_placements(base: tuple) -> tuple[list, list]:
     """A's and B's placements on the tp mesh for a base weight placed as ``base``."""
+    from torch.distributed.tensor import Replicate, Shard
+
     (placement,) = base
     if placement == Shard(0):  # column-parallel: each rank computes its output features
         return [Replicate()], [Shard(0)]

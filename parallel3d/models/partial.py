@@ -4,7 +4,8 @@ work (its tokens under sequence parallelism, its heads under tensor parallelism)
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from parallel3d.base import is_dtensor
 
 
 def partial_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -12,6 +13,8 @@ def partial_local(tensor: torch.Tensor) -> torch.Tensor:
     DTensor is replicated over a mesh whose ranks compute on different tokens or heads, its
     gradient is marked ``Partial``, so it is summed over that mesh before use. A plain tensor is
     returned as it is."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return tensor
+    from torch.distributed.tensor import Partial, Replicate
+
     return tensor.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in tensor.placements])

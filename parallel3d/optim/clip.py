@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from parallel3d.base import ConfigError
+from parallel3d.base import ConfigError, is_dtensor
 
 # Above this a perturbation is no longer the size of float32 round-off (unit round-off 6e-8): the
 # key would then measure something other than what the parity tests derive their tolerances from.
@@ -25,7 +24,7 @@ def settle_gradients(params) -> None:
     rank's shard, a local slice.
     """
     for p in params:
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+        if is_dtensor(p.grad) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(placements=p.placements)
 
 
@@ -61,7 +60,7 @@ def perturb_gradients(params, *, relative: float, seed: int, draw: int, step: in
     for p in params:
         if p.grad is None:
             continue
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # one rank: the whole tensor
+        grad = p.grad.to_local() if is_dtensor(p.grad) else p.grad  # one rank: the whole tensor
         noise = torch.randn(grad.shape, generator=generator, dtype=torch.float32).to(grad.device)
         scale = grad.float().square().mean().sqrt() * relative
         grad.add_((noise * scale * (grad != 0)).to(grad.dtype))
@@ -84,7 +83,7 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None, uncounted=()) -> tor
     # DTensor ops take one mesh: expert-parallel experts live on the ep mesh, the rest on the dp one.
     by_mesh = _by_mesh([p for p in with_grad if id(p) not in skip])
     norms = [total_norm([p.grad for p in group]) for group in by_mesh]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    norms = [n.full_tensor() if is_dtensor(n) else n for n in norms]
     norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if pp_group is not None:  # each pipeline rank holds other layers: add their squares
         norm = norm**2
@@ -112,5 +111,5 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Parameters grouped by their gradient's DeviceMesh (plain tensors: one group), in first-seen order."""
     groups: dict = {}
     for p in params:
-        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        groups.setdefault(p.grad.device_mesh if is_dtensor(p.grad) else None, []).append(p)
     return list(groups.values()) or [[]]

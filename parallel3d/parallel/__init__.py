@@ -1,3 +1,5 @@
-from parallel3d.parallel.compose import ActivationPlan, ParallelPlan, parallelize
+"""Every parallelism, one module each, and ``compose.parallelize``, the order they apply in.
 
-__all__ = ["ActivationPlan", "ParallelPlan", "parallelize"]
+The package imports nothing itself: a run imports the parallelisms it uses (DTensor, FSDP and
+torch's pipelining cost seconds of start-up on every rank that does not need them).
+"""

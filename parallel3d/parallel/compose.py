@@ -29,7 +29,6 @@ from parallel3d.parallel.data import DataParallelPlan, ExpertSharding, apply_dat
 from parallel3d.parallel.expert import apply_expert_parallel
 from parallel3d.parallel.float8 import Float8Plan, apply_float8
 from parallel3d.parallel.mesh import Meshes
-from parallel3d.parallel.tensor import apply_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,8 @@ def parallelize(model: nn.Module, meshes: Meshes, plan: ParallelPlan) -> None:
     in place, in the order above."""
     float8_layers = apply_float8(model, plan.float8)
     if meshes.tp is not None:
+        from parallel3d.parallel.tensor import apply_tensor_parallel  # DTensor's plans: only under tp
+
         # Float8 TP styles send float8 activations, a dtype gloo cannot carry ("Invalid scalar
         # type"): on the CPU the float8 layers compute in float8 between bf16/fp32 collectives.
         float8_tp = bool(float8_layers) and plan.float8.device == "cuda"

@@ -52,9 +52,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
 @dataclass(frozen=True)
@@ -77,6 +75,9 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, fsdp_mesh: Device
                         plan: DataParallelPlan, experts: ExpertSharding | None = None) -> None:
     """Wrap ``model`` (still on the meta device) in place for data-parallel training. ``experts``:
     the expert-parallel experts, which get units of their own on their own mesh (see below)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
     mp_policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     ignored = experts.ignored if experts is not None else None
     if plan.zero_stage == 0:
@@ -130,9 +131,13 @@ class ExpertSharding:
         return {p for module in self.modules for p in module.parameters()} or None
 
     def wrap(self, plan: DataParallelPlan, mp_policy: MixedPrecisionPolicy,
-             offload_policy: OffloadPolicy = OffloadPolicy()) -> None:
+             offload_policy: OffloadPolicy | None = None) -> None:
         if self.expert_dp is None:
             return
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import OffloadPolicy, fully_shard
+
+        offload_policy = offload_policy or OffloadPolicy()
         for module in self.modules:
             if plan.zero_stage == 0:
                 replicate(module, mesh=self.expert_dp, mp_policy=mp_policy)
@@ -143,6 +148,7 @@ class ExpertSharding:
 
 def _shard_by_size(root: nn.Module, min_params: int, shard: dict) -> None:
     """Give a submodule its own FSDP unit once it holds ``min_params`` not yet claimed below it."""
+    from torch.distributed.fsdp import fully_shard
 
     def visit(module: nn.Module) -> int:
         unclaimed = sum(visit(child) for child in module.children())

@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from parallel3d.base import ConfigError, divisors
+from parallel3d.base import ConfigError, divisors, is_dtensor
 from parallel3d.config.schema import ModelConfig
 from parallel3d.models.moe import GroupedExperts, MoE, is_moe_layer, split_sizes
 
@@ -75,6 +74,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp: int = 1) ->
     """Split the experts of ``model``'s MoE blocks (still on meta) over ``ep_mesh`` along the
     expert dim; returns the split modules (data parallelism gives them units of their own).
     ``tp``: the tensor-parallel degree (its ranks' tokens are parts of one loss: module docstring)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     split: list[GroupedExperts] = []
     for block in model.layers.values():
         if not isinstance(block.feed_forward, MoE):
@@ -82,7 +83,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp: int = 1) ->
         moe = block.feed_forward
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            whole = param.to_local().detach() if isinstance(param, DTensor) else param  # tp replicated: whole
+            whole = param.to_local().detach() if is_dtensor(param) else param  # tp replicated: whole
             sharded = nn.Parameter(distribute_tensor(whole, ep_mesh, [Shard(0)], src_data_rank=None))
             experts.register_parameter(name, sharded)
         experts.grad_scale = tp / ep_mesh.size()

@@ -27,28 +27,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (PipelineScheduleSingle, Schedule1F1B, ScheduleDualPipeV,
-                                                    ScheduleGPipe, ScheduleInterleaved1F1B,
-                                                    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
-from torch.distributed.tensor import DTensor
 
+from parallel3d.base import is_dtensor
 from parallel3d.config.schema import ModelConfig
 from parallel3d.models import Transformer
 
+# parallel.pp_schedule: torch's schedule class of each name (torch.distributed.pipelining.schedules),
+# imported when a pipeline is built: validation and the planner read only the names and the rules
+# below, and torch's pipelining import (it loads torch._dynamo) costs seconds on every rank.
 SCHEDULES = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-    "DualPipeV": ScheduleDualPipeV,
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
 }
+SINGLE_STAGE = ("GPipe", "1F1B")  # subclasses of torch's PipelineScheduleSingle (tests/test_parallel_pipeline.py)
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
+def schedule_class(schedule: str) -> type:
+    """torch's class for the schedule named ``schedule``."""
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, SCHEDULES[schedule])
+
+
 def is_single_stage(schedule: str) -> bool:
-    return issubclass(SCHEDULES[schedule], PipelineScheduleSingle)
+    return schedule in SINGLE_STAGE
 
 
 def fixed_stages_per_rank(schedule: str) -> int | None:
@@ -117,7 +124,7 @@ Prepare = Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]
 @dataclass
 class Pipeline:
     parts: list[nn.Module]  # this rank's stage modules, in stage order
-    stages: list[PipelineStage]
+    stages: list  # torch's PipelineStage, one per part
     schedule: object
     microbatches: int  # per schedule step
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -153,7 +160,7 @@ class Pipeline:
         this stage doesn't have backward"): under it each micro batch goes through the stages in
         order instead (:func:`_forward_in_stage_order`)."""
         losses: list[torch.Tensor] = []
-        if isinstance(self.schedule, ScheduleZBVZeroBubble):
+        if isinstance(self.schedule, schedule_class("ZBVZeroBubble")):
             for micro_batch in micro_batches:
                 inputs, targets, extra = prepare(*micro_batch)
                 logits = _forward_in_stage_order(self.stages, inputs, extra)
@@ -178,7 +185,7 @@ class Pipeline:
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the hidden states sent between stages
 
 
-def _forward_in_stage_order(stages: list[PipelineStage], inputs: torch.Tensor, extra: dict) -> torch.Tensor | None:
+def _forward_in_stage_order(stages: list, inputs: torch.Tensor, extra: dict) -> torch.Tensor | None:
     """One micro batch through every stage in order: the last stage's output on the rank that runs
     it, None on the others. Every pp rank walks the same stage order (the schedule's stage-to-rank
     map), so the blocking sends and receives pair up; consecutive stages on one rank (the turn of a
@@ -234,8 +241,10 @@ def build_schedule(parts: list[tuple[int, nn.Module]], num_stages: int, schedule
     Gradients are not scaled by the schedule: the loss is already normalized by the global
     batch's token count, so summing the microbatches' gradients is exact.
     """
+    from torch.distributed.pipelining import PipelineStage
+
     stages = [PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in parts]
-    cls = SCHEDULES[schedule]
+    cls = schedule_class(schedule)
     runner = cls(stages[0] if is_single_stage(schedule) else stages, microbatches, loss_fn=loss_fn,
                  scale_grads=False)
     return Pipeline([module for _, module in parts], stages, runner, microbatches, loss_fn)
@@ -269,9 +278,9 @@ class TiedEmbeddings:
         if not self.params or not self.params[0].requires_grad:  # frozen (LoRA): no gradient to sum
             return
         for p in self.params:  # under tp the embedding's gradient comes back replicated: shard it like p
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            if is_dtensor(p.grad) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(placements=p.placements)
-        local = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in self.params]
+        local = [(p.grad.to_local() if is_dtensor(p.grad) else p.grad) for p in self.params]
         total = local[0] if len(local) == 1 else local[0] + local[1]
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
