@@ -50,6 +50,13 @@ def is_dtensor(value: object) -> bool:
     return module is not None and isinstance(value, module.DTensor)
 
 
+def is_checkpoint_exception(error: BaseException) -> bool:
+    """Whether ``error`` is DCP's CheckpointException (a BaseException, not an Exception), without
+    importing DCP: a run that never saved or loaded one never raised one."""
+    module = sys.modules.get("torch.distributed.checkpoint.api")
+    return module is not None and isinstance(error, module.CheckpointException)
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

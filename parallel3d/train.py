@@ -21,9 +21,8 @@ import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint import CheckpointException
 
-from parallel3d.base import ConfigError, rank, world_size_from_env
+from parallel3d.base import ConfigError, is_checkpoint_exception, rank, world_size_from_env
 from parallel3d.checkpoint.checkpointer import Checkpointer, full_model_state
 from parallel3d.checkpoint.resume import load_verified, restore
 from parallel3d.checkpoint.state import TrainState
@@ -353,7 +352,9 @@ def run_job(cfg: DictConfig) -> None:
         sys.exit(EXIT_REQUEUE)
     except KeyboardInterrupt:  # a second Ctrl-C
         sys.exit(EXIT_INTERRUPTED)
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+    except BaseException as e:  # an Exception, or DCP's CheckpointException (a BaseException)
+        if not (isinstance(e, Exception) or is_checkpoint_exception(e)):
+            raise
         report_failure(watchdog.explain(e), _known_run_dir(cfg), rank())  # a hang: names the rank
         if rank() != 0:
             time.sleep(2)

@@ -33,10 +33,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from parallel3d.base import rank
 from parallel3d.checkpoint import commit as protocol
@@ -44,7 +42,6 @@ from parallel3d.checkpoint.commit import COMPLETE, META, complete_steps
 from parallel3d.checkpoint.errors import CheckpointError, NonFiniteState, checkpoint_errors, nonfinite_names
 from parallel3d.checkpoint.init_from import load_initial_weights
 from parallel3d.checkpoint.manifest import MANIFEST, file_entries, read_manifest
-from parallel3d.checkpoint.reader import VerifyingReader
 from parallel3d.checkpoint.state import (TrainState, finish_load, model_targets, optimizer_entries, scheduler_state,
                                          state_dict)
 from parallel3d.config.schema import CheckpointConfig
@@ -90,7 +87,9 @@ class Checkpointer:
         # "manifest": saved with one, so a copy that lost it is damaged, not a checkpoint from before manifests.
         meta = {**meta, "step": step, "world_size": self.world_size, "model_only": state.optimizer is None,
                 "scheduler": scheduler_state(state.scheduler), "manifest": MANIFEST}
-        writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
+        import torch.distributed.checkpoint as dcp  # DCP (and DTensor with it): imported by runs that save
+
+        writer = dcp.HuggingFaceStorageWriter(str(path), save_distributed=True)
         with self._discarded_on_failure(path):
             if self.cfg.async_save:
                 # DCP stages a CPU copy first, so training may change the tensors while it writes.
@@ -223,8 +222,12 @@ class Checkpointer:
                 twin = targets.setdefault(key, value)  # set already: a tied copy's state, filled from its twin
                 if twin is not value:
                     copies.append((value, twin))
+        import torch.distributed.checkpoint as dcp
+
+        from parallel3d.checkpoint.reader import VerifyingReader  # a DCP reader class: DCP's import with it
+
         reader = (VerifyingReader(str(path), read_manifest(path)) if hash_shards and (path / MANIFEST).is_file()
-                  else HuggingFaceStorageReader(str(path)))
+                  else dcp.HuggingFaceStorageReader(str(path)))
         dcp.load(targets, storage_reader=reader, process_group=self.group, no_dist=self.group is None)
         finish_load(copies)
         if state.scheduler is not None and not meta["model_only"]:  # the config's schedule, at the saved step

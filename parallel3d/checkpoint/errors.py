@@ -14,9 +14,8 @@ import errno
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import CheckpointException
 
-from parallel3d.base import RunError, is_dtensor
+from parallel3d.base import RunError, is_checkpoint_exception, is_dtensor
 
 
 class CheckpointError(RunError):
@@ -34,9 +33,19 @@ class NonFiniteState(CheckpointError):
 
 def first_failure(error: BaseException) -> BaseException:
     """The underlying error of the lowest failing rank of a CheckpointException."""
-    while isinstance(error, CheckpointException) and error.failures:
+    while is_checkpoint_exception(error) and error.failures:
         error = error.failures[min(error.failures)][0]
     return error
+
+
+class ChecksumMismatch(RunError):
+    """A block (checkpoint/reader.py) a load was about to copy from does not match the checkpoint's manifest."""
+
+
+def mismatch_of(error: BaseException) -> str | None:
+    """The ChecksumMismatch line behind a failed load (a CheckpointError from DCP's), or None."""
+    cause = first_failure(error.__cause__ if error.__cause__ is not None else error)
+    return str(cause) if isinstance(cause, ChecksumMismatch) else None
 
 
 def failure_line(error: BaseException, path: Path, saving: bool) -> str:
@@ -66,10 +75,12 @@ def checkpoint_errors(path: Path, *, saving: bool, every_rank: bool = False):
         yield
     except CheckpointError:
         raise
-    except CheckpointException as e:
-        raise CheckpointError(failure_line(e, path, saving), every_rank=True) from e
     except (OSError, RunError) as e:
         raise CheckpointError(failure_line(e, path, saving), every_rank=every_rank) from e
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if not is_checkpoint_exception(e):
+            raise
+        raise CheckpointError(failure_line(e, path, saving), every_rank=True) from e
 
 
 def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:

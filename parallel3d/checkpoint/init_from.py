@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from parallel3d.checkpoint.commit import find_checkpoint
 from parallel3d.checkpoint.errors import checkpoint_errors
@@ -33,7 +31,9 @@ def load_initial_weights(*, path: Path, state: TrainState, model_cfg, group) -> 
         targets, copies = model_targets(state)
     # LoRA adapters start as LoRA does (B = 0) on whatever base is loaded: init_from gives the base.
     targets = {key: t for key, t in targets.items() if not is_adapter(key)}
+    import torch.distributed.checkpoint as dcp  # imported by runs that load
+
     with checkpoint_errors(path, saving=False, every_rank=True):
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)), process_group=group,
+        dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(path)), process_group=group,
                  no_dist=group is None)
     finish_load(copies)

@@ -22,19 +22,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from parallel3d.base import RunError
-from parallel3d.checkpoint.errors import first_failure
+from parallel3d.checkpoint.errors import ChecksumMismatch
 from parallel3d.checkpoint.manifest import CHECKSUM, hash_of
-
-
-class ChecksumMismatch(RunError):
-    """A block a load was about to copy from does not match the checkpoint's manifest."""
-
-
-def mismatch_of(error: BaseException) -> str | None:
-    """The ChecksumMismatch line behind a failed load (a CheckpointError from DCP's), or None."""
-    cause = first_failure(error.__cause__ if error.__cause__ is not None else error)
-    return str(cause) if isinstance(cause, ChecksumMismatch) else None
 
 
 class VerifyingReader(HuggingFaceStorageReader):

@@ -26,9 +26,8 @@ import yaml
 from parallel3d.base import ConfigError, RunError
 from parallel3d.checkpoint.checkpointer import Checkpointer
 from parallel3d.checkpoint.commit import META, complete_steps, find_checkpoint
-from parallel3d.checkpoint.errors import CheckpointError, failure_line
+from parallel3d.checkpoint.errors import CheckpointError, failure_line, mismatch_of
 from parallel3d.checkpoint.manifest import MANIFEST, gathered
-from parallel3d.checkpoint.reader import mismatch_of
 from parallel3d.checkpoint.state import TrainState
 from parallel3d.checkpoint.unfinished import settle_unfinished
 from parallel3d.checkpoint.verify import check_hf_weights, checkpoint_problem

@@ -14,11 +14,12 @@ trains the period again with the quorum formed then.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from parallel3d.base import is_dtensor
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+    return (t.to_local() if is_dtensor(t) else t).detach()
 
 
 class OuterStep:

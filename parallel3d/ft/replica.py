@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from parallel3d.base import is_dtensor
 from parallel3d.config.fault_tolerance import lighthouse_address
 from parallel3d.ft import FTError
 from parallel3d.ft.diloco import OuterStep
@@ -249,7 +249,7 @@ def _no_flight_recorder_note(record: logging.LogRecord) -> bool:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _first_line(e: BaseException) -> str:

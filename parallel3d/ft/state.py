@@ -16,8 +16,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 import torch
-from torch.distributed.tensor import DTensor
 
+from parallel3d.base import is_dtensor
 from parallel3d.ft import FTError
 from parallel3d.checkpoint.checkpointer import TrainState
 from parallel3d.optim.adamw import init_optimizer_state
@@ -38,7 +38,7 @@ class RunState:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+    return (t.to_local() if is_dtensor(t) else t).detach()
 
 
 def _entries(state: TrainState, with_optimizer: bool) -> list[tuple[str, torch.Tensor]]:

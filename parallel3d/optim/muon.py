@@ -25,9 +25,8 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from parallel3d.base import ConfigError
+from parallel3d.base import ConfigError, is_dtensor
 from parallel3d.optim.adamw import implementation_flags, named_decay_groups
 from parallel3d.optim.orthogonalise import SharedNewtonSchulz
 
@@ -161,7 +160,7 @@ def _apply_update(param: torch.Tensor, ortho: torch.Tensor, group: dict) -> None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int,

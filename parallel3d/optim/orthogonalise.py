@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from parallel3d.base import is_dtensor
 
 # (start, stop) index ranges along one dim of a matrix, in the order a rank's piece holds them.
 Runs = tuple[tuple[int, int], ...]
@@ -63,6 +63,8 @@ def _slice(runs: Runs, start: int, stop: int) -> list[tuple[int, int]]:
 
 def split_runs(runs: Runs, placement, n: int, index: int) -> Runs:
     """The indices rank ``index`` of ``n`` keeps when ``placement`` splits a dim holding ``runs``."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     length = sum(b - a for a, b in runs)
     if not isinstance(placement, _StridedShard):
         return tuple(_slice(runs, *_chunk(length, n, index)))
@@ -76,6 +78,9 @@ def split_runs(runs: Runs, placement, n: int, index: int) -> Runs:
 
 
 def _splits(placement) -> bool:
+    from torch.distributed.tensor import Shard  # a placement exists: DTensor is imported already
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     return isinstance(placement, (Shard, _StridedShard))
 
 
@@ -96,7 +101,7 @@ def sharing_dims(param: torch.Tensor) -> tuple[int, ...]:
     """The mesh dims (of more than one rank) that split a matrix dim of ``param``: its pieces'
     holders. Empty: every rank holds its matrices whole (a split of the leading, expert dim
     leaves each expert whole)."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return ()
     mesh, leading = param.device_mesh, param.ndim - 2
     return tuple(d for d, pl in enumerate(param.placements) if _splits(pl) and pl.dim >= leading and mesh.size(d) > 1)
@@ -217,8 +222,8 @@ def _members(mesh, dims: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
     return out
 
 
-def plan_exchange(params: list[DTensor], dims: tuple[int, ...]) -> _Exchange:
-    """The exchange of ``params`` (one mesh, split along ``dims``) among their pieces' holders."""
+def plan_exchange(params: list[torch.Tensor], dims: tuple[int, ...]) -> _Exchange:
+    """The exchange of ``params`` (DTensors of one mesh, split along ``dims``) among their pieces' holders."""
     mesh = params[0].device_mesh
     members = _members(mesh, dims)
     group = _group(mesh, dims, [rank for _, rank in members])

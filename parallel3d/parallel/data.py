@@ -49,10 +49,14 @@ docs/parallelism.md, Precision.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:  # imported where a model is wrapped (FSDP's import is not free)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 
 @dataclass(frozen=True)
