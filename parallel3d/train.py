@@ -37,14 +37,12 @@ from parallel3d.ft.replica import ReplicaGroup, join_replicas
 from parallel3d.hf.export import save_run_model
 from parallel3d.hf.lora import merged_state, save_run_adapter, split_adapters
 from parallel3d.inference.evaluate import Evaluator, open_evaluator
-from parallel3d.models import Transformer, num_params
-from parallel3d.models.lora import apply_lora, describe_targets
+from parallel3d.observe.banner import print_banner
 from parallel3d.observe.meter import StepMeter
 from parallel3d.observe.metrics import MetricsLogger, start_tensorboard, start_wandb
 from parallel3d.observe.profiling import StepProfiler
 from parallel3d.parallel.expert import expert_metrics
 from parallel3d.parallel.float8 import precompute_float8_scales
-from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.progress import Progress
 from parallel3d.runtime import watchdog
 from parallel3d.runtime.failures import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REQUEUE, SweepFailures, ensure_rank_log,
@@ -112,15 +110,20 @@ def train(cfg: DictConfig) -> Path:
         if replicas is not None:
             replicas.close()
     if c.train.save_model:
-        state = full_model_state(setup.parts, setup.meshes.pp)  # a collective: every rank
-        if is_rank0 and c.model.lora.rank:  # the adapters in PEFT's format, and merged into the weights
-            print(save_run_adapter(run_dir, split_adapters(state)[1], c.model, c.checkpoint.init_from or None),
-                  flush=True)
-            state = merged_state(state, c.model.lora)
-        if is_rank0:
-            print(save_run_model(run_dir, state, model_cfg=c.model, tokenizer=c.data.tokenizer,
-                                 chat_template=c.data.chat_template), flush=True)
+        save_final_model(c, setup, run_dir, is_rank0)
     return run_dir
+
+
+def save_final_model(c: Config, setup: Setup, run_dir: Path, is_rank0: bool) -> None:
+    """train.save_model: run_dir/hf/ (and, with LoRA, PEFT's adapter folder run_dir/hf_adapter/)."""
+    state = full_model_state(setup.parts, setup.meshes.pp)  # a collective: every rank
+    if is_rank0 and c.model.lora.rank:  # the adapters in PEFT's format, and merged into the weights
+        print(save_run_adapter(run_dir, split_adapters(state)[1], c.model, c.checkpoint.init_from or None),
+              flush=True)
+        state = merged_state(state, c.model.lora)
+    if is_rank0:
+        print(save_run_model(run_dir, state, model_cfg=c.model, tokenizer=c.data.tokenizer,
+                             chat_template=c.data.chat_template), flush=True)
 
 
 def save_seed(checkpointer: Checkpointer, setup: Setup, config_yaml: str, is_rank0: bool) -> None:
@@ -129,33 +132,6 @@ def save_seed(checkpointer: Checkpointer, setup: Setup, config_yaml: str, is_ran
     checkpointer.wait()
     if is_rank0:
         print(f"parallel3d: seed checkpoint written to {checkpointer.root / 'step_0'}", flush=True)
-
-
-def print_banner(c: Config, setup: Setup, world_size: int, run_dir: Path) -> None:
-    print(banner(c, setup.dims, setup.device.type, world_size, run_dir), flush=True)
-    if c.model.lora.rank:
-        print(lora_line(c.model), flush=True)
-
-
-def lora_line(m) -> str:
-    """What LoRA trains: the adapters' parameters against the whole model's."""
-    with torch.device("meta"):
-        model = Transformer(m)
-    apply_lora(model, m.lora)
-    trainable, total = (sum(p.numel() for p in model.parameters() if p.requires_grad or not only)
-                        for only in (True, False))
-    return (f"parallel3d: LoRA rank {m.lora.rank} alpha {m.lora.alpha:g} on {describe_targets(m)}: "
-            f"{trainable / 1e6:.2f}M trainable parameters ({100 * trainable / total:.2f}% of {total / 1e6:.2f}M), "
-            f"the rest frozen")
-
-
-def banner(c: Config, dims: ParallelDims, device_type: str, world_size: int, run_dir: Path) -> str:
-    """The run's first console line (the README shows it; tests/test_docs.py keeps the two equal)."""
-    with torch.device("meta"):  # the whole model's size, whatever part of it this rank holds
-        size = num_params(Transformer(c.model))
-    return (f"parallel3d | {c.recipe or 'custom'} | model {c.model.name} {size / 1e6:.2f}M params | "
-            f"{world_size} ranks {dims.sizes()} zero_stage {c.parallel.zero_stage} | {device_type} | "
-            f"run_dir {run_dir}")
 
 
 def planned_peaks(setup: Setup) -> list[int]:

@@ -25,7 +25,7 @@ from parallel3d.launch.run import first_config_error
 from parallel3d.launch.slurm import script_for
 from parallel3d.parallel.mesh import ParallelDims
 from parallel3d.runtime.failures import report_failure
-from parallel3d.train import banner
+from parallel3d.observe.banner import banner
 from parallel3d.validate import check
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def test_launch_md_shows_the_script_parallel3d_slurm_writes():
 
 
 def test_readme_banner_is_what_a_run_of_the_default_recipe_prints():
-    """The first line of the README's sample run: train.banner for the default recipe on one rank,
+    """The first line of the README's sample run: observe.banner for the default recipe on one rank,
     with the run_dir the sample shows."""
     (sample,) = [b for b in fenced_blocks(README.read_text()) if b.startswith("parallel3d | ")]
     shown = sample.splitlines()[0]
