@@ -162,3 +162,22 @@ def test_no_module_family_lies_beside_its_name():
                      if other.startswith(name + "_")]
     assert families == []
 
+
+
+# What a run imports only when it uses it: each is a second or so of CPU on every rank of every job
+# (tools/bench_import.py measures the import; BENCHMARKS (p)).
+IMPORTED_WHEN_USED = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+                      "torch.distributed.pipelining", "torch._dynamo", "transformers", "datasets", "pyarrow",
+                      "wandb", "tensorboard", "torchft", "torchao", "lm_eval", "peft", "jinja2", "tokenizers")
+
+
+def test_importing_the_trainer_loads_nothing_a_run_may_not_use():
+    """``import parallel3d.train`` (what every rank does first) leaves DTensor, FSDP, DCP, torch's
+    pipelining and compiler, and the optional libraries to the runs that use them."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"import json, sys; import parallel3d.train; print(json.dumps([m for m in {IMPORTED_WHEN_USED!r} if m in sys.modules]))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout) == []
