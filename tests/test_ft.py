@@ -24,9 +24,10 @@ from parallel3d.base import ConfigError  # noqa: E402
 from parallel3d.config.compose import compose  # noqa: E402
 from parallel3d.ft.membership import (MembershipLog, Roster, config_fingerprint, read_membership,  # noqa: E402
                                       roster_row)
+from parallel3d.ft.replay import replay, replay_diloco  # noqa: E402
 from parallel3d.validate import check  # noqa: E402
 
-pytest.importorskip("torchft")
+import torchft  # noqa: E402, F401  (a dev dependency: missing, the file fails)
 
 FT = ["ft.enabled=true", "ft.lighthouse=http://localhost:29510"]
 
@@ -98,6 +99,7 @@ def _line(step, writer, participants, healed=(), t=0.0):
     return {**log.entry(step, roster, writer), "time": t}
 
 
+@pytest.mark.fast
 def test_the_log_walk_follows_heals_and_drops_steps_a_restart_undid(tmp_path):
     lines = [
         _line(1, 0, [0, 1], t=1), _line(1, 1, [0, 1], t=1),
@@ -159,8 +161,6 @@ def test_a_heal_copies_everything_that_defines_the_run_bitwise(model):
     from parallel3d.base import RunError
     from parallel3d.ft.state import apply_heal_state, heal_state, state_digest
 
-    if model == "float8":
-        pytest.importorskip("torchao.float8")
     live, live_run = _run_state(HEALED_MODELS[model], seed=0)
     _steps(live, live_run.guard, 3, seed=1)
     live_run.sampler.offset = 32
@@ -203,7 +203,6 @@ def _replayed_weights(overrides: list[str], logs: list[Path], out: Path) -> dict
     from conftest import final_weights
 
     from parallel3d.checkpoint.checkpointer import full_model_state
-    from parallel3d.ft.replay import replay
     from parallel3d.hf.export import save_run_model
 
     c = OmegaConf.to_object(check(compose([f"run_dir={out}", *overrides]), 1))
@@ -356,7 +355,6 @@ def test_diloco_groups_sync_every_inner_steps_as_one_process_simulates_them(tmp_
     from ft_cluster import group_job, membership, start_lighthouse
 
     from parallel3d.checkpoint.checkpointer import full_model_state
-    from parallel3d.ft.replay import replay_diloco
     from parallel3d.hf.export import save_run_model
 
     lighthouse, address = start_lighthouse(tmp_path, min_replicas=2)  # the first sync waits for both
@@ -391,6 +389,7 @@ def test_diloco_groups_sync_every_inner_steps_as_one_process_simulates_them(tmp_
     assert dropped == [1, 2, 3]  # the failed sync's period, logged dropped, then trained again
 
 
+@pytest.mark.fast
 def test_the_lighthouse_serves_at_the_address_it_gives_and_its_absence_is_one_line(capsys):
     from parallel3d.cli.lighthouse import main
     from parallel3d.ft import FTError

@@ -181,3 +181,13 @@ def test_importing_the_trainer_loads_nothing_a_run_may_not_use():
     code = f"import json, sys; import parallel3d.train; print(json.dumps([m for m in {IMPORTED_WHEN_USED!r} if m in sys.modules]))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(done.stdout) == []
+
+
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_over_400_lines():
+    """A module a reader takes in at once: a longer one is split along a seam (one job per module)."""
+    long = [f"{p.relative_to(PACKAGE.parent)} ({n} lines)" for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert long == []
