@@ -3,7 +3,7 @@
 Launched runs save at one layout (``checkpoint.every=5`` over 10 steps) and continue from step 5
 at another; steps 6-10 and the final weights must match the single-process run that never
 stopped (the parity reference) within the tolerance its own sensitivity implies
-(tests/parity_tolerance.py). Same-layout resumes must match their own uninterrupted run bit for
+(tests/harness/tolerance.py). Same-layout resumes must match their own uninterrupted run bit for
 bit. The in-process tests cover the checkpoint folder itself.
 """
 
@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAST, STEPS, Run, assert_matches, launch, launch_batch, relative_error, selected_params
-from parity_tolerance import Tolerance
+from harness.runs import FAST, STEPS, Run, launch, launch_batch, relative_error
+from harness.parity import assert_matches, selected_params
+from harness.tolerance import Tolerance
 
 import parallel3d.checkpoint.checkpointer as checkpoint_module
 import parallel3d.checkpoint.commit as commit_module
@@ -68,7 +69,7 @@ class Saved:
         return [*FAST, f"checkpoint.resume={path}", "train.save_model=true", *overrides]
 
     def prefetch(self, layouts: dict[str, tuple[int, list[str]]]) -> None:
-        """Launch these (name: ranks, full overrides) in batches of one rank count (tests/layout_batch.py)."""
+        """Launch these (name: ranks, full overrides) in batches of one rank count (tests/harness/layout_batch.py)."""
         for nproc in sorted({n for n, _ in layouts.values()}):
             self.runs |= launch_batch(self.root, {k: o for k, (n, o) in layouts.items() if n == nproc}, nproc)
 
@@ -92,7 +93,7 @@ def assert_continues(run: Run, source: Run, reference: Run | None = None, tolera
     checkpoint, and of the single-process ``reference``; the final weights equal ``source``'s.
     ``tolerance``: 0 where the resume continues at the layout that saved (the same float32
     operations in the same order: bit for bit); where it continues at another layout, the one the
-    reference's own sensitivity implies (tests/parity_tolerance.py)."""
+    reference's own sensitivity implies (tests/harness/tolerance.py)."""
     steps = [row["step"] for row in run.metrics]
     for other in (source, reference):
         if other is None:

@@ -2,7 +2,7 @@
 
 One 2-rank run saves steps 2 and 4; each fault case damages a copy of its step_4. The resume must
 fall back to step_2, name the damaged file, and train steps 3-4 exactly as the run that never
-stopped. The fallback cases train in one batched launch (tests/layout_batch.py).
+stopped. The fallback cases train in one batched launch (tests/harness/layout_batch.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, Run, launch, launch_batch
+from harness.runs import FAST, Run, launch, launch_batch
 from safetensors.torch import load_file
 
 from parallel3d.base import RunError

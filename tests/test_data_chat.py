@@ -1,6 +1,6 @@
 """Chat rendering: the ids of transformers' apply_chat_template, and the assistant mask.
 
-Llama 3's and Qwen3's templates (tests/chat_files.py), multi-turn, with a system message and with
+Llama 3's and Qwen3's templates (tests/harness/chat_files.py), multi-turn, with a system message and with
 Qwen3's reasoning: its template drops the reasoning of turns before the last user message and
 writes an empty <think> block into the final turn, which the mask must then cover.
 """
@@ -8,7 +8,7 @@ writes an empty <think> block into the final turn, which the mask must then cove
 from __future__ import annotations
 
 import pytest
-from chat_files import CONVERSATIONS, STYLES, chat_tokenizer_folder
+from harness.chat_files import CONVERSATIONS, STYLES, chat_tokenizer_folder
 
 from parallel3d.data.chat import chat_ids_and_mask, chat_token_ids, load_chat_template
 from parallel3d.data.tokenizer import HFTokenizer

@@ -2,7 +2,7 @@
 
 With document masking and held-out evaluation (eval.fraction of the documents, every 5 steps),
 one process, dp2 and pp2 x tp2 train to the same losses and val_loss (within what the one-process
-run's own sensitivity implies: tests/parity_tolerance.py); the ranks of
+run's own sensitivity implies: tests/harness/tolerance.py); the ranks of
 each job split the tokenization; a run resumed from the dp2 run's step 5 in one process (another layout
 and dp degree) continues with the same tokens and losses. Launched with conftest's launch()
 rather than Parity.run: these runs compare with each other, not with the stdlib reference.
@@ -11,9 +11,10 @@ rather than Parity.run: these runs compare with each other, not with the stdlib 
 from __future__ import annotations
 
 import pytest
-from conftest import FAST, STEPS, Run, assert_matches, launch, launch_measured
-from data_files import write_mixture
-from parity_tolerance import Tolerance
+from harness.runs import FAST, STEPS, Run, launch, launch_measured
+from harness.parity import assert_matches
+from harness.data_files import write_mixture
+from harness.tolerance import Tolerance
 
 from parallel3d.data import TokenFile
 

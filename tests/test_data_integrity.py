@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from data_files import documents, write_jsonl
+from harness.data_files import documents, write_jsonl
 
 from parallel3d.data import TokenFile, integrity, load_tokenizer
 from parallel3d.data import sources as src
@@ -112,7 +112,7 @@ def test_an_empty_token_file_opens(tmp_path):
 
 
 def test_eval_fraction_on_a_corpus_too_small_to_hold_out_a_batch_is_one_config_line(tmp_path):
-    from conftest import launch
+    from harness.runs import launch
 
     from parallel3d.base import ConfigError
     from parallel3d.config.compose import compose
@@ -141,7 +141,7 @@ def test_sigterm_while_tokenizing_is_one_line_and_leaves_no_lock(tmp_path):
     import sys
     import time
 
-    from conftest import env
+    from harness.runs import env
 
     for i in range(6):  # long enough to be stopped while a shard is being written
         write_jsonl(tmp_path / "src" / f"part-{i}.jsonl", documents(f"p{i}", 8000, i))

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from chat_files import chat_tokenizer_folder, write_jsonl
+from harness.chat_files import chat_tokenizer_folder, write_jsonl
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
@@ -180,7 +180,7 @@ def test_validation_refuses_a_chat_without_a_template(tmp_path):
 
 
 def test_prepare_data_writes_the_rows_a_run_reads(tmp_path):
-    from chat_files import chat_records
+    from harness.chat_files import chat_records
 
     from parallel3d.cli import prepare_data
     from parallel3d.data.corpus import open_sources
@@ -229,7 +229,7 @@ def test_a_source_without_a_trained_token_is_refused_naming_its_roles(tmp_path):
 
 
 def test_a_source_whose_samples_are_all_dropped_names_truncation(tmp_path):
-    from chat_files import chat_records
+    from harness.chat_files import chat_records
 
     data = write_jsonl(tmp_path / "chats.jsonl", chat_records(6))
     with pytest.raises(ConfigError) as err:
@@ -279,7 +279,7 @@ def test_a_mistyped_folder_is_named_not_the_byte_tokenizer(tmp_path):
 def test_too_little_held_out_data_counts_records_not_padding(tmp_path):
     """eval.fraction on chat records: the refusal counts the records held out (several per packed
     row), not the padding tokens that share the eos id."""
-    from chat_files import chat_records
+    from harness.chat_files import chat_records
 
     from parallel3d.data import open_eval_corpus
     from parallel3d.data.checks import check_heldout

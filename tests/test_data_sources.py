@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from data_files import documents, write_jsonl, write_mixture, write_parquet, write_saved_dataset
+from harness.data_files import documents, write_jsonl, write_mixture, write_parquet, write_saved_dataset
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAST, launch
+from harness.runs import FAST, launch
 from omegaconf import OmegaConf
 
 from parallel3d.base import ConfigError

@@ -12,8 +12,9 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import RUN_TIMEOUT_S, STEPS, assert_matches, env, layouts, prefetch_selected, relative_error
-from parity_tolerance import ONE_PASS
+from harness.runs import RUN_TIMEOUT_S, STEPS, env, relative_error
+from harness.parity import assert_matches, layouts, prefetch_selected
+from harness.tolerance import ONE_PASS
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
@@ -77,13 +78,13 @@ def document_overrides(token_files) -> list[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request, token_files):
-    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS, prefix="documents-",
                       extra=document_overrides(token_files))
 
 
 def reference(token_files) -> tuple[str, list[str]]:
-    """The one-process run (it trains with its twins, tests/parity_tolerance.py). checkpoint.every:
+    """The one-process run (it trains with its twins, tests/harness/tolerance.py). checkpoint.every:
     parallel3d-evaluate evaluates its step 5 again (test_evaluate_a_checkpoint_at_dp2)."""
     return "documents-reference", [*document_overrides(token_files), "train.micro_batch_size=16", "checkpoint.every=5"]
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, Run, env, launch
+from harness.runs import FAST, Run, env, launch
 
 from parallel3d.optim.schedule import lr_factor
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from chat_files import chat_records, llama_folder, write_jsonl
-from conftest import assert_matches, launch_batch, launch_measured, relative_error
+from harness.chat_files import chat_records, llama_folder, write_jsonl
+from harness.runs import launch_batch, launch_measured, relative_error
+from harness.parity import assert_matches
 
 STEPS, GLOBAL_BATCH = 10, 8
 # A constant lr without weight decay: the reference's AdamW is torch's, as configured here.
@@ -40,7 +41,7 @@ def sft(tmp_path_factory):
     # The folder alone defines the model and the tokenizer (and its chat template): no model.* key.
     overrides = [*TRAIN, f"data.sources=[{data}]", f"eval.sources=[{heldout}]", "eval.batches=1",
                  f"data.cache_dir={root / 'cache'}", f"checkpoint.init_from={model}"]
-    # the one-process run, and the tolerance its own sensitivity implies (tests/parity_tolerance.py)
+    # the one-process run, and the tolerance its own sensitivity implies (tests/harness/tolerance.py)
     run, tolerance = launch_measured(root, [*overrides, "train.micro_batch_size=1"], STEPS, name="one",
                                      metrics=("loss", "grad_norm", "val_loss"), weights=False)
     return root, overrides, run, tolerance

@@ -200,7 +200,7 @@ def _group_config(address: str, steps: int) -> list[str]:
 
 def _replayed_weights(overrides: list[str], logs: list[Path], out: Path) -> dict:
     """The oracle: one process retrains the log's chain of steps; its export, read as the groups' are."""
-    from conftest import final_weights
+    from harness.runs import final_weights
 
     from parallel3d.checkpoint.checkpointer import full_model_state
     from parallel3d.hf.export import save_run_model
@@ -226,7 +226,7 @@ def test_a_killed_group_heals_from_its_live_peer_and_the_log_replays_to_the_weig
     group 0 and says so in one line, and at every heal both groups log equal digests of each rank's
     whole state. Both export bitwise-equal weights, only group 0 wrote checkpoints, and one process
     replaying the membership log ends with the same weights within 1e-6."""
-    from conftest import final_weights
+    from harness.runs import final_weights
     from ft_cluster import group_job, membership, start_lighthouse, wait_for
 
     lighthouse, address = start_lighthouse(tmp_path)
@@ -351,7 +351,7 @@ def test_diloco_groups_sync_every_inner_steps_as_one_process_simulates_them(tmp_
     twice. The first sync fails on group 1's side: both go back to the period's start and train it
     again. Both end bitwise equal, and equal to one process simulating the two replicas
     (parallel3d.ft.replay.replay_diloco) within 1e-6."""
-    from conftest import final_weights
+    from harness.runs import final_weights
     from ft_cluster import group_job, membership, start_lighthouse
 
     from parallel3d.checkpoint.checkpointer import full_model_state
@@ -417,7 +417,7 @@ def test_after_a_lighthouse_restart_the_groups_resume_and_the_log_still_replays(
     from its checkpoint (only it writes them), group 1 from nothing, and whichever is behind heals.
     The steps after the checkpoint are trained again; the log's lineage drops the undone ones, and
     one process replaying it ends with both groups' (equal) weights within 1e-6."""
-    from conftest import final_weights
+    from harness.runs import final_weights
     from ft_cluster import free_port, group_job, membership, start_lighthouse, wait_for
 
     port = free_port()

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from chat_files import chat_records, llama3_instruct_folder, write_jsonl
-from conftest import RUN_TIMEOUT_S, env, launch, relative_error
+from harness.chat_files import chat_records, llama3_instruct_folder, write_jsonl
+from harness.runs import RUN_TIMEOUT_S, env, launch, relative_error
 from omegaconf import OmegaConf
-from parity_tolerance import ONE_PASS
+from harness.tolerance import ONE_PASS
 
 from parallel3d.cli import generate as generate_cli
 from parallel3d.config.compose import compose

@@ -2,7 +2,7 @@
 
 The guard's rules are unit tests (one process, and two gloo ranks that see different losses);
 end to end, ``debug.nan_steps`` poisons a step in one process and in dp2 x tp2 and pp2 layouts,
-batched per rank count (tests/layout_batch.py), and every layout must skip it alike.
+batched per rank count (tests/harness/layout_batch.py), and every layout must skip it alike.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAST, STEPS, assert_matches, launch_batch, tensorboard_scalars
-from parity_tolerance import measure, twins
+from harness.runs import FAST, STEPS, launch_batch, tensorboard_scalars
+from harness.parity import assert_matches
+from harness.tolerance import measure, twins
 
 from parallel3d.runtime.guard import SPIKE_MIN_STEPS, BadStepGuard, TrainingDiverged
 
@@ -135,7 +136,7 @@ def test_a_poisoned_step_is_skipped_alike_in_every_layout(tmp_path, one_process)
         assert name in runs, f"{name} failed: see {tmp_path / name}.batch"
         rows = _metrics(runs[name].run_dir)
         _assert_skipped_7(rows)
-        # the good steps, within what the one-process run's own sensitivity implies (tests/parity_tolerance.py)
+        # the good steps, within what the one-process run's own sensitivity implies (tests/harness/tolerance.py)
         tolerance = measure(one_process["skip"], *(one_process[twin] for twin in twins("skip", NAN_AT_7)),
                             metrics=("loss",), weights=False)
         assert_matches(one_process["skip"], runs[name], tolerance=tolerance, metrics=("loss",))

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, STEPS, Run, env, launch, relative_error
+from harness.runs import FAST, STEPS, Run, env, launch, relative_error
 from omegaconf import OmegaConf
-from parity_tolerance import ONE_PASS
+from harness.tolerance import ONE_PASS
 from safetensors import safe_open
 from safetensors.torch import load_file
 

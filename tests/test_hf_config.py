@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_files import tiny_qwen3, token_batch
+from harness.hf_files import tiny_qwen3, token_batch
 from omegaconf import OmegaConf
 
 from parallel3d.base import ConfigError

@@ -1,6 +1,6 @@
 """A complete Hugging Face folder out (parallel3d/hf/export.py), from a run that started from one
 in (parallel3d/config/hf_folder.py). One launch trains the tiny Qwen3 and Qwen3-MoE folders of
-tests/hf_files.py (the MoE one in several files with an index) for 4 steps without any model.*
+tests/harness/hf_files.py (the MoE one in several files with an index) for 4 steps without any model.*
 key and with train.save_model=true; the run_dir/hf/ it writes loads in transformers with our
 logits, generates until EOS, and equals what parallel3d-convert-hf exports from the checkpoint."""
 
@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 import transformers
-from conftest import FAST, launch_batch
-from hf_files import TEXT, tiny_qwen3, token_batch
+from harness.runs import FAST, launch_batch
+from harness.hf_files import TEXT, tiny_qwen3, token_batch
 from safetensors.torch import load_file, save_file
 
 from parallel3d.checkpoint.checkpointer import Checkpointer
@@ -118,7 +118,7 @@ def test_convert_hf_export_equals_the_saved_folder(trained, tmp_path):
 def test_tokenizer_files_out(tmp_path):
     """A folder whose template ends turns with another token than eos stops generation at both; a
     bare tokenizer.json gets a tokenizer_config.json that AutoTokenizer reads with its eos."""
-    from hf_files import tiny_tokenizer
+    from harness.hf_files import tiny_tokenizer
 
     from parallel3d.hf.export import generation_config, token_ids, write_tokenizer
 

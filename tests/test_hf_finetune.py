@@ -3,7 +3,7 @@ and chat records, nothing else about the model. LoRA from a Llama-3-style folder
 chat template, BOS and ``<|eot_id|>``), from a Qwen3-MoE folder and from a DeepSeek-V3 folder, and full fine-tuning of Qwen3
 and Qwen3-MoE under tensor parallelism (their per-head q/k norms replicated over tp): every layout
 equals one process (losses, grad norms, final weights and adapters within the tolerance the
-one-process run's own sensitivity implies: tests/parity_tolerance.py).
+one-process run's own sensitivity implies: tests/harness/tolerance.py).
 
 All runs train in three launches: the one-process references (and their twins) together, the
 4-rank layouts in batches of 8 (conftest ``Parity.prefetch``)."""
@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from chat_files import chat_records, llama_folder, write_jsonl
-from conftest import assert_matches, layouts, selected_params
-from hf_files import tiny_deepseek_v3, tiny_qwen3
+from harness.chat_files import chat_records, llama_folder, write_jsonl
+from harness.parity import assert_matches, layouts, selected_params
+from harness.hf_files import tiny_deepseek_v3, tiny_qwen3
 
 # optim.eps=1e-5 (conftest's FAST has 1e-6): B starts at zero, so A's first gradient comes at step 2,
 # proportional to a B that has moved by about lr, and AdamW's first update is near lr * sign(g) for
@@ -64,7 +64,7 @@ def trained(request, parity, folders):
     wanted = {name: spec for name, spec in (LORA_RUNS | TP_RUNS).items() if name in selected_params(request, "name")}
     runs = {name: (layout.nproc, [*overrides(folders, folder, lora), *layout.overrides])
             for name, (folder, lora, layout) in wanted.items()}
-    # the one-process runs with their twins (tests/parity_tolerance.py)
+    # the one-process runs with their twins (tests/harness/tolerance.py)
     parity.prefetch_references({reference_name(folder, lora): [*overrides(folders, folder, lora), *ONE_PROCESS]
                                 for folder, lora, _ in wanted.values()})
     parity.prefetch(runs)

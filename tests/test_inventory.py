@@ -1,10 +1,10 @@
-"""tests/CLAIMS.md names every test the suite collects, and only those (tests/inventory.py)."""
+"""tests/CLAIMS.md names every test the suite collects, and only those (tests/harness/inventory.py)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import DESELECTED
-from inventory import CLAIMS, TESTS, as_row_cell, collected_tests, named_tests, report
+from harness.inventory import CLAIMS, TESTS, as_row_cell, collected_tests, named_tests, report
 
 
 def suite_ids(session) -> list[str]:

@@ -1,6 +1,6 @@
 """Training across "nodes": torchrun on two network namespaces, and a job on a real SLURM cluster.
 
-The nodes are network namespaces on this machine (tests/virtual_cluster.py): separate addresses
+The nodes are network namespaces on this machine (tests/harness/virtual_cluster.py): separate addresses
 and hostnames, a shared filesystem. Each run must reproduce, step for step, the same layout under
 plain single-node torchrun. Needs root (plus iproute2 and util-linux) and, for SLURM, the Debian
 packages slurmctld slurmd slurm-client munge; otherwise the tests skip and say why.
@@ -15,8 +15,8 @@ import sys
 import time
 
 import pytest
-from conftest import FAST, STEPS, Run, env, launch
-from virtual_cluster import TERMINAL, Nodes, SlurmCluster, cluster_unavailable, nodes_unavailable
+from harness.runs import FAST, STEPS, Run, env, launch
+from harness.virtual_cluster import TERMINAL, Nodes, SlurmCluster, cluster_unavailable, nodes_unavailable
 
 pytestmark = pytest.mark.multirank
 NO_NODES, NO_CLUSTER = nodes_unavailable(), cluster_unavailable()

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import env
+from harness.runs import env
 
 GPU_JOB = ["recipe=llama3_8b", "slurm.nodes=4", "slurm.partition=gpu", "slurm.account=proj42", "slurm.time=2-00:00:00",
            "+slurm.env.NCCL_DEBUG=WARN", "slurm.network_interface=ib0", "slurm.max_restarts=2",

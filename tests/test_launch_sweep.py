@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST, Run, assert_matches, env, refused_by_the_launcher
+from harness.runs import FAST, Run, env, refused_by_the_launcher
+from harness.parity import assert_matches
 from omegaconf import OmegaConf
 
 from parallel3d.launch.sweep import expand, plan
@@ -50,7 +51,7 @@ def test_sweep_over_layouts_runs_one_torchrun_per_job(tmp_path, parity):
         run.assert_finished(3)
         config = OmegaConf.load(run.run_dir / "config.yaml")
         assert (config.parallel.tp, config.run_dir) == (tp, str(run.run_dir))
-    # two layouts: within the default family's tolerance (tests/parity_tolerance.py); 3 of its 10 steps
+    # two layouts: within the default family's tolerance (tests/harness/tolerance.py); 3 of its 10 steps
     assert_matches(runs[0], runs[1], tolerance=parity.tolerance(), metrics=("loss",))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray Hydra output folders
 

@@ -1,10 +1,10 @@
-"""tests/layout_batch.py: the first layout that fails ends the batch, and the harness gets back
+"""tests/harness/layout_batch.py: the first layout that fails ends the batch, and the harness gets back
 only the layouts that finished on every rank (the rest run in launches of their own)."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import FAST, launch_batch
+from harness.runs import FAST, launch_batch
 
 
 @pytest.mark.fast

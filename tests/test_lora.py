@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import STEPS, assert_matches, layouts, prefetch_selected
+from harness.runs import STEPS
+from harness.parity import assert_matches, layouts, prefetch_selected
 from safetensors.torch import load_file, save_file
 
 from parallel3d.base import ConfigError
@@ -39,7 +40,7 @@ def lora_reference(parity):
 
 @pytest.fixture(scope="module")
 def lora_tolerance(parity):
-    """What the one-process run's own sensitivity implies (tests/parity_tolerance.py)."""
+    """What the one-process run's own sensitivity implies (tests/harness/tolerance.py)."""
     return parity.measured(*REFERENCE)[1]
 
 

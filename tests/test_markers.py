@@ -1,4 +1,4 @@
-"""``-m "not multirank"`` starts no torchrun job and no rank processes: tests/process_guard.py fails an
+"""``-m "not multirank"`` starts no torchrun job and no rank processes: tests/harness/process_guard.py fails an
 unmarked test that tries (through torchrun, mp.spawn or multiprocessing), and lets one process be."""
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def test_unmarked_forks_one_process():
 
 
 def test_an_unmarked_test_that_starts_torchrun_or_ranks_fails_under_not_multirank(tmp_path):
-    for harness in ("conftest.py", "parity_tolerance.py", "process_guard.py", "run_store.py"):  # conftest and what it imports
-        shutil.copy(TESTS / harness, tmp_path / harness)
+    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")  # the suite's conftest and its harness
+    shutil.copytree(TESTS / "harness", tmp_path / "harness", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    multirank: several ranks\n")
     environ = {key: value for key, value in os.environ.items() if key != "P3D_TEST_CPU_LOG"}  # not the sample's
@@ -144,7 +144,7 @@ def marks_of(node: ast.FunctionDef) -> set[str]:
 def test_the_fast_tier_loads_every_module_and_starts_no_ranks():
     """Every parallel3d module is loaded by a test file with fast tests: imported there, or imported
     when a module it imports loads (top-level imports, followed), so -m fast touches all of the
-    package. And no fast test is multirank: the tier runs in-process (tests/process_guard.py
+    package. And no fast test is multirank: the tier runs in-process (tests/harness/process_guard.py
     fails a test that starts ranks under -m fast)."""
     modules, direct, multirank = module_names(), set(), []
     for path in sorted(TESTS.glob("test_*.py")):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, Run, env, launch, tensorboard_scalars
+from harness.runs import FAST, Run, env, launch, tensorboard_scalars
 
 from parallel3d.observe.metrics import peak_flops
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import STEPS, assert_matches
+from harness.runs import STEPS
+from harness.parity import assert_matches
 from omegaconf import OmegaConf
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -26,7 +27,7 @@ MUON = ["optim=muon_cosine", "model.dim=64", "model.ffn_dim=128", "model.n_layer
 MOE = ["model=tiny_moe", "model.moe.expert_ffn_dim=32"]
 # The parity runs train at lr 1e-3, not muon_cosine's 3e-3. Newton–Schulz carries a gradient's last
 # float32 bits into every element of the update, so Muon's one-process run is far more sensitive to
-# round-off than AdamW's (tests/parity_tolerance.py measures it), and the more so the larger the
+# round-off than AdamW's (tests/harness/tolerance.py measures it), and the more so the larger the
 # steps: at 1e-3 the bound it implies for the losses is several times tighter than at 3e-3
 # (docs/optimizers.md, "Parity").
 PARITY = [*MUON, "optim.lr=1e-3"]
@@ -276,7 +277,7 @@ REFERENCES = {  # dense or MoE: the one-process run (name, overrides); each trai
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_like_one_process(muon_runs, name):
     """Losses, grad norms and final weights of one process, within what its own sensitivity
-    implies (tests/parity_tolerance.py). Layouts sum gradients in other float32 orders, and
+    implies (tests/harness/tolerance.py). Layouts sum gradients in other float32 orders, and
     Newton–Schulz, which raises a matrix's small singular values by up to a^ns_steps (about 480),
     carries those last bits into every element of the update (docs/optimizers.md): the weights'
     bound is wide. test_a_split_matrix_gets_the_update_of_the_whole shows the split update equal

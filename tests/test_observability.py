@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from conftest import launch, launch_batch
+from harness.runs import launch, launch_batch
 
 from parallel3d.runtime.straggler import StragglerWatch
 

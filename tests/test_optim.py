@@ -323,7 +323,7 @@ def test_grad_noise_is_refused_outside_the_parity_measurement(overrides, world_s
 
 def _bpe_corpus(root) -> list[str]:
     """A byte-level BPE tokenizer (vocabulary within the tiny model's 512) and a corpus it encodes."""
-    from data_files import documents, write_jsonl
+    from harness.data_files import documents, write_jsonl
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     texts = documents("bpe", 600)
@@ -342,12 +342,13 @@ def _bpe_corpus(root) -> list[str]:
 def test_grad_norms_agree_across_layouts_at_adamw_default_eps(tmp_path):
     """One process, dp4 ZeRO-3 and dp2 x tp2 (one 4-rank launch) on a BPE corpus at AdamW's default
     eps=1e-8: losses and grad norms at every step within what the one-process run's own sensitivity
-    implies (tests/parity_tolerance.py). At eps=1e-8 AdamW moves an element whose gradient is pure
+    implies (tests/harness/tolerance.py). At eps=1e-8 AdamW moves an element whose gradient is pure
     round-off by up to lr, in a direction the round-off picks, so the bound is wider than at the
     suite's eps=1e-6; the twin's noise, relative to each tensor's root mean square, reaches those
     elements as a reordered sum does. (The norm itself is summed in float64:
     test_total_norm_sums_in_float64.)"""
-    from conftest import FAST, STEPS, assert_matches, launch, launch_batch, launch_measured
+    from harness.runs import FAST, STEPS, launch, launch_batch, launch_measured
+    from harness.parity import assert_matches
 
     overrides = [*FAST, *_bpe_corpus(tmp_path), "optim.eps=1e-8"]
     single, tolerance = launch_measured(tmp_path, [*overrides, "train.micro_batch_size=16"], steps=STEPS,

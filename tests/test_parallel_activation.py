@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import layouts, prefetch_selected
+from harness.parity import layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -31,7 +31,7 @@ LAYOUTS = layouts({
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
-    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS)
 
 

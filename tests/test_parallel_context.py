@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import layouts, prefetch_selected
+from harness.parity import layouts, prefetch_selected
 
 from parallel3d.parallel.context import ContextParallelAttention, local_attention, shard_positions, shard_sequence
 
@@ -102,7 +102,7 @@ LAYOUTS = layouts({
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
-    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import final_weights, layouts, prefetch_selected
+from harness.runs import final_weights
+from harness.parity import layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -64,7 +65,7 @@ def test_wrap_policy_decides_the_fsdp_units(fake_world, wrap, units):
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
-    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS, param="layout_run")
 
 

@@ -6,8 +6,9 @@ and ep2 x cp2 borrow the tp and cp ranks for ep (parallel/expert.py)."""
 from __future__ import annotations
 
 import pytest
-from conftest import FAST, STEPS, assert_matches, final_weights, launch, layouts, prefetch_selected, relative_error
-from parity_tolerance import ONE_PASS
+from harness.runs import FAST, STEPS, final_weights, launch, relative_error
+from harness.parity import assert_matches, layouts, prefetch_selected
+from harness.tolerance import ONE_PASS
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
@@ -34,7 +35,7 @@ SAVING = next(layout for layout in LAYOUTS if layout.name == "ep2-dp4-zero2")  #
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
-    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS, prefix="moe-", extra=MOE)
 
 
@@ -48,7 +49,7 @@ def moe_reference(parity):
 
 @pytest.fixture(scope="module")
 def moe_tolerance(parity):
-    """What the one-process run's own sensitivity implies (tests/parity_tolerance.py). A routing
+    """What the one-process run's own sensitivity implies (tests/harness/tolerance.py). A routing
     choice is a threshold: a token whose top experts sit at a near-tie could go either way under
     round-off and part the runs; the seed and lr here route no token that close (docs/moe.md)."""
     return parity.measured(*REFERENCE)[1]
@@ -110,7 +111,7 @@ def test_capacity_drops_the_same_copies_in_every_layout(parity):
     loss and gradient. Later steps are not compared: a drop is a threshold on routing weights, and
     the layouts' float32 round-off (1e-7) flips copies that sit at it (from step 2 on, one copy's
     gradient may differ), as in any framework with a capacity factor (docs/moe.md). A first step is
-    one pass from the same weights: held to ONE_PASS (tests/parity_tolerance.py)."""
+    one pass from the same weights: held to ONE_PASS (tests/harness/tolerance.py)."""
     capacity = [*MOE, "model.moe.capacity_factor=1.0"]
     single = parity.run("moe-capacity-single", 1, capacity)
     ep = parity.run("moe-capacity-ep2-dp2", 2, [*capacity, "parallel.ep=2", "parallel.zero_stage=3"])

@@ -5,7 +5,7 @@ Tolerance: float8 vs bf16, relative loss difference per step over the 10 FAST st
 (the issue's target for the final loss), about 3x what the layouts show with every block linear
 in float8 (tensorwise; the table in docs/float8.md). Not a round-off bound (float8's quantization
 is the difference measured), so not derived from a twin as the parity tests' are
-(tests/parity_tolerance.py).
+(tests/harness/tolerance.py).
 In one process bf16 and float8 run the same code but for the float8 layers, so there they must
 also differ (above 1e-4): float8 is really on.
 """
@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchao.float8  # noqa: F401  (pyproject's dev extra: missing, this file fails, not skips)
-from conftest import assert_matches, layouts, prefetch_selected, relative_error
+from harness.runs import relative_error
+from harness.parity import assert_matches, layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -192,7 +193,7 @@ LAYOUTS = layouts({
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
-    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS)
 
 

@@ -1,12 +1,12 @@
 """Multi-head latent attention and DeepSeek-V3's MoE (model=tiny_mla) under every parallelism: each
 layout trains 10 steps to the losses, gradient norms and final weights of one process, with
 document masking on; the planner's model-state bytes are exact (``Parity.run``). One launch of 4
-ranks trains them all (tests/layout_batch.py)."""
+ranks trains them all (tests/harness/layout_batch.py)."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import assert_matches, layouts, prefetch_selected
+from harness.parity import assert_matches, layouts, prefetch_selected
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
@@ -14,7 +14,7 @@ from parallel3d.validate import check
 
 # lr 1e-3, not the default 3e-3: there the tiny MoE's later steps amplify float rounding far more
 # (a routing choice near a tie, docs/moe.md), and the tolerance its own sensitivity implies would be
-# much wider (tests/parity_tolerance.py).
+# much wider (tests/harness/tolerance.py).
 MLA = ["model=tiny_mla", "data.document_masking=true", "optim.lr=1e-3"]
 REFERENCE = ("mla-reference", [*MLA, "train.micro_batch_size=16"])  # one process (and its twins)
 

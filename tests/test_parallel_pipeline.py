@@ -5,7 +5,7 @@ every ZeRO stage: tests/test_parallel_pipeline_zero.py.)"""
 from __future__ import annotations
 
 import pytest
-from conftest import layouts, prefetch_selected
+from harness.parity import layouts, prefetch_selected
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
@@ -49,7 +49,7 @@ TIED = layouts({
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
-    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS + TIED)
 
 

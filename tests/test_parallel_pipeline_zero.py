@@ -10,7 +10,7 @@ matrices can run side by side under pytest-xdist."""
 from __future__ import annotations
 
 import pytest
-from conftest import layouts, prefetch_selected
+from harness.parity import layouts, prefetch_selected
 
 from parallel3d.parallel.pipeline import SCHEDULES
 
@@ -21,7 +21,7 @@ LAYOUTS = layouts({f"dp2-pp2-{s}-zero{z}": (4, ["parallel.pp=2", f"parallel.pp_s
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
-    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py)."""
+    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
     prefetch_selected(request, parity, LAYOUTS)
 
 

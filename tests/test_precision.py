@@ -4,7 +4,7 @@ In bf16 every layout, one process included, trains under FSDP's mixed-precision 
 of one rank where there is no data parallelism): float32 master weights, the whole model computing
 in bf16, gradients reduced and accumulated in ``train.reduce_dtype``. The parity runs below hold
 each layout to one process over 10 steps, within what the one-process run's own sensitivity
-implies (tests/parity_tolerance.py); the policy itself (what is cast where, float32 masters) is
+implies (tests/harness/tolerance.py); the policy itself (what is cast where, float32 masters) is
 checked directly by the tests at the end and by the planner's model-state bytes (``Parity.run``).
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_matches, layouts, prefetch_selected, selected_params
+from harness.parity import assert_matches, layouts, prefetch_selected, selected_params
 from omegaconf import OmegaConf
-from parity_tolerance import measure
+from harness.tolerance import measure
 from torch.distributed.fsdp import FSDPModule
 
 from parallel3d.config.compose import compose
@@ -55,7 +55,7 @@ def reference_overrides(micro_batch_size: int) -> list[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
-    """The selected layouts train in a few launches instead of one each (tests/layout_batch.py),
+    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py),
     the one-process references (and the twins of the first) in one more; none when no layout is
     selected (-k, -m fast: only the in-process tests)."""
     if not selected_params(request, "layout"):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_files import documents, write_jsonl, write_mixture
+from harness.data_files import documents, write_jsonl, write_mixture
 
 from parallel3d.config.compose import PROJECT_ROOT, compose
 from parallel3d.data import TokenFile, load_tokenizer, open_sources, write_token_file

@@ -14,7 +14,7 @@ import termios
 import time
 
 import pytest
-from conftest import env
+from harness.runs import env
 
 from parallel3d.progress import Progress
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Run, env, launch
+from harness.runs import Run, env, launch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 

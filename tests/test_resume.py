@@ -95,7 +95,7 @@ def _bpe_tokenizer(path, text: str):
 
 
 def test_a_resume_with_another_tokenizer_is_refused_unless_allowed(tmp_path):
-    from conftest import launch
+    from harness.runs import launch
 
     from parallel3d.checkpoint.resume import check_tokenizer
     from parallel3d.config.schema import DataConfig

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, env
+from harness.runs import FAST, env
 
 from parallel3d.runtime.rundir import (RunDirError, RunLock, agree_on_run_dir, given_run_dir, move_earlier_run_aside,
                                        own_run_dir, release_run_dir, run_dir_override, unwritable_run_dir)

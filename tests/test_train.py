@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import yaml
-from conftest import FAST, STEPS, Run, assert_matches, env, launch, launch_measured, relative_error
+from harness.runs import FAST, STEPS, Run, env, launch, launch_measured, relative_error
+from harness.parity import assert_matches
 
 from parallel3d.optim.schedule import lr_factor
 
@@ -73,7 +74,7 @@ def test_divergence_stops_with_the_step(tmp_path):
 def test_one_process_trains_alike_at_every_zero_stage(tmp_path, parity, zero_stage):
     """Without data parallelism a ZeRO stage has nothing to shard or reduce: accumulating micro
     batches trains as the default single process does (another order of the same sums: within the
-    tolerance its sensitivity implies, tests/parity_tolerance.py)."""
+    tolerance its sensitivity implies, tests/harness/tolerance.py)."""
     run = launch(tmp_path / f"zero{zero_stage}", [*FAST, f"parallel.zero_stage={zero_stage}", "train.micro_batch_size=4"])
     run.assert_finished(STEPS)
     assert_matches(parity.reference(), run, tolerance=parity.tolerance(), metrics=("loss",))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import env, refused_by_the_launcher
+from harness.runs import env, refused_by_the_launcher
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import env
+from harness.runs import env
 
 from parallel3d.runtime.watchdog import Hang, hang_line
 

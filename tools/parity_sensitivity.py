@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """How far float32 round-off carries in each family of parity runs, and the tolerances it implies
-(tests/parity_tolerance.py). Prints Markdown blocks for BENCHMARKS.md.
+(tests/harness/tolerance.py). Prints Markdown blocks for BENCHMARKS.md.
 
     python tools/parity_sensitivity.py measure [--families default,muon] [--draws 3] [--capabilities avx2,default]
 
 ``measure`` trains each family's one-process reference (the overrides the test files use) and its
 twin (``debug.grad_noise``: gradients perturbed by the round-off of a float32 matmul on this machine,
-relative to each tensor's root mean square; tests/parity_tolerance.py) with ``--draws`` noise
+relative to each tensor's root mean square; tests/harness/tolerance.py) with ``--draws`` noise
 draws, all in one process, then the reference again under each of ``--capabilities``
 (torch's ``ATEN_CPU_CAPABILITY``: the same run with another CPU kernel set, one process each). Per
 metric it prints the spread of every draw and of every kernel set against the reference, and the
@@ -66,7 +66,8 @@ def families() -> dict[str, list[str]]:
 def train(root: Path, runs: dict[str, list[str]], capability: str | None = None) -> dict:
     """Train ``runs`` (name: overrides, with the suite's FAST settings) in one process, under
     ``capability`` (None: torch's choice); returns the runs that finished."""
-    from conftest import Parity, launch_batch
+    from harness.runs import launch_batch
+    from harness.parity import Parity
 
     root.mkdir(parents=True, exist_ok=True)
     previous = os.environ.pop("ATEN_CPU_CAPABILITY", None)
@@ -82,7 +83,7 @@ def train(root: Path, runs: dict[str, list[str]], capability: str | None = None)
 
 def measure_family(root: Path, name: str, overrides: list[str], draws: int, capabilities: list[str]) -> list[str]:
     """The Markdown rows of one family: per metric, the spread of each draw and kernel set."""
-    from parity_tolerance import DRAWS, measure, twin_overrides
+    from harness.tolerance import DRAWS, measure, twin_overrides
 
     runs = {name: overrides}
     runs |= {f"{name}-draw{d}": twin_overrides(overrides, d) for d in range(draws)}
@@ -109,7 +110,7 @@ def cmd_measure(args) -> int:
     chosen = families()
     names = args.families.split(",") if args.families else list(chosen)
     capabilities = [c for c in args.capabilities.split(",") if c]
-    from parity_tolerance import grad_noise
+    from harness.tolerance import grad_noise
 
     print(heading("Parity sensitivity: one process against its twins and other kernel sets", "parity_sensitivity.py",
                   None, f"torch picks {torch.backends.cpu.get_cpu_capability()}") + "\n")

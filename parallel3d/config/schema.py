@@ -269,7 +269,7 @@ class DebugConfig:
     # One process only: every gradient, after backward, gets Gaussian noise of this size relative to
     # its tensor's root mean square (seeded by train.seed, grad_noise_draw and the step). The parity
     # tests train their one-process reference once with it to measure how far float32 round-off
-    # carries (tests/parity_tolerance.py); another draw is another sample of that noise.
+    # carries (tests/harness/tolerance.py); another draw is another sample of that noise.
     grad_noise: float = 0.0
     grad_noise_draw: int = 0
     # Fault tolerance (ft.enabled): this group's part of the cross-group all-reduce fails at these steps

@@ -12,7 +12,7 @@ before any process group exists; and a ranking of every layout of a model on a c
 What is exact and what is a model:
 
 * Model state (``param_bytes``, ``grad_bytes``, ``optim_state_bytes``, and ``Plan.rank_model_state``
-  for any rank): exact, byte for byte, for this code; tests/conftest.py checks it against every
+  for any rank): exact, byte for byte, for this code; tests/harness/parity.py checks it against every
   parity run, tests/test_planner.py against fake-process-group ranks with uneven shards.
 * Activations per microbatch (``RankMemory.activation_per_microbatch``): counted tensor by tensor
   (``planner/activations.py``); exact against CPU kernels in float32 and bfloat16 (FSDP's mixed

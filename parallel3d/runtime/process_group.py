@@ -40,7 +40,7 @@ def init_distributed(train, world_size: int) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():  # a caller's own group (tests/layout_batch.py) is kept
+    if world_size > 1 and not dist.is_initialized():  # a caller's own group (tests/harness/layout_batch.py) is kept
         timeout = timedelta(seconds=train.dist_timeout_s)
         store = attempt_store(timeout)  # None: torch's env:// rendezvous, as before
         if device.type == "cuda":

@@ -1,7 +1,7 @@
 """tests/CLAIMS.md against the suite: which collected tests it does not name, which it names that
 do not exist (tests/test_inventory.py fails on either).
 
-    python tests/inventory.py        # prints what CLAIMS.md lacks, in its format, and what it names in vain
+    python tests/harness/inventory.py        # prints what CLAIMS.md lacks, in its format, and what it names in vain
 
 A row's last cell names its tests: `test_x.py::test_f` for an unparametrized test, or followed by
 its parametrize ids, each in backquotes (`test_x.py::test_f` `tp2` `dp2-zero3`); a ``|`` inside an
@@ -17,7 +17,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent.parent  # tests/
 CLAIMS = TESTS / "CLAIMS.md"
 CELL = re.compile(r"(?<!\\)\|")  # a table cell boundary: a | not escaped
 SPAN = re.compile(r"`([^`]*)`")

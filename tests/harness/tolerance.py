@@ -125,7 +125,7 @@ def measure(reference, *others, metrics: tuple[str, ...] = ("loss", "grad_norm",
     """The Tolerance that the spread between ``reference`` and each of ``others`` (Runs: its twin,
     or the same run in another order) implies: the largest over ``others``, per metric they log
     and, with ``weights``, over the final weights."""
-    from conftest import final_weights
+    from harness.runs import final_weights  # (runs.py imports this module)
 
     spreads = {}
     for key in metrics:

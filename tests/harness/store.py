@@ -1,7 +1,7 @@
 """Training runs shared by the whole test session, across pytest-xdist's workers.
 
 A run is named by what it trains: its rank count and overrides. The first test, in any worker,
-that asks for a run trains it (several at a time in one launch: tests/layout_batch.py); every
+that asks for a run trains it (several at a time in one launch: tests/harness/layout_batch.py); every
 other test that asks for the same run, in this file or another, on this worker or another, reads
 what it wrote. A layout that several files check (the one-process parity references and their
 twins above all) is then trained once per session instead of once per file and worker.

@@ -1,6 +1,6 @@
 """Train several layouts in one launch, each as `python -m parallel3d.train` would.
 
-    torchrun --standalone --nproc-per-node N tests/layout_batch.py SPEC.json   (or python, for N=1)
+    torchrun --standalone --nproc-per-node N tests/harness/layout_batch.py SPEC.json   (or python, for N=1)
 
 A launch of the test suite's parity matrix spends most of its time starting up: importing torch,
 DTensor and Hydra costs ~6 s of CPU per rank (README.md, Tests), so 4 ranks on 2 cores wait longer
