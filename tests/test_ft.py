@@ -4,6 +4,7 @@ and, with real groups under a lighthouse, kills, heals and refusals (tests/ft_cl
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -198,6 +199,17 @@ def _group_config(address: str, steps: int) -> list[str]:
             "debug.ft_alone_sleep_s=6"]  # a survivor slow enough for the restarted group to find it training
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """A replay computes as each group's ranks did: one torch thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _replayed_weights(overrides: list[str], logs: list[Path], out: Path) -> dict:
     """The oracle: one process retrains the log's chain of steps; its export, read as the groups' are."""
     from harness.runs import final_weights
@@ -206,12 +218,8 @@ def _replayed_weights(overrides: list[str], logs: list[Path], out: Path) -> dict
     from parallel3d.hf.export import save_run_model
 
     c = OmegaConf.to_object(check(compose([f"run_dir={out}", *overrides]), 1))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         setup = replay(c, logs)
-    finally:
-        torch.set_num_threads(threads)
     out.mkdir()
     save_run_model(out, full_model_state(setup.parts, None), model_cfg=c.model, tokenizer=c.data.tokenizer)
     return final_weights(out)
@@ -371,12 +379,8 @@ def test_diloco_groups_sync_every_inner_steps_as_one_process_simulates_them(tmp_
                 job.kill()
     logs = [tmp_path / f"group{g}" / "ft" / "membership.jsonl" for g in (0, 1)]
     c = OmegaConf.to_object(check(compose([f"run_dir={tmp_path / 'sim'}", *common]), 1))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         simulated = replay_diloco(c, logs)
-    finally:
-        torch.set_num_threads(threads)
     (tmp_path / "sim").mkdir()
     save_run_model(tmp_path / "sim", full_model_state(simulated[0].parts, None), model_cfg=c.model,
                    tokenizer=c.data.tokenizer)

@@ -23,6 +23,9 @@ from harness.runs import env
 
 from parallel3d.runtime.watchdog import Hang, hang_line
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from bench_timeouts import alive, rank_pids  # noqa: E402  (the benchmark's; one copy)
+
 TIMEOUT_S = 10
 HANG_S = 180  # against a hang: longer than any wait here takes, even on a loaded machine
 STACKS = "Python stacks of every thread"
@@ -65,33 +68,6 @@ def test_a_dead_peer_is_named_in_the_collective_that_failed_not_where_the_error_
     assert "run_job" not in line and "test_watchdog" not in line
 
 
-def _workers(root_pid: int) -> dict[int, int]:
-    """rank -> pid of torchrun's workers (processes whose environment has RANK)."""
-    found, todo = {}, [root_pid]
-    while todo:
-        pid = todo.pop()
-        for task in Path(f"/proc/{pid}/task").glob("*/children"):
-            try:
-                todo += [int(c) for c in task.read_text().split()]
-            except OSError:
-                pass
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        rank = next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), None)
-        if rank is not None and pid != root_pid:
-            found[rank] = pid
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
-
-
 def _wait(condition, timeout_s: float, what: str, log: Path) -> float:
     start = time.monotonic()
     while not condition():
@@ -114,12 +90,12 @@ def test_a_stopped_rank_is_named_and_every_stack_is_logged(tmp_path):
     try:
         metrics = run_dir / "metrics.jsonl"
         _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, HANG_S, "step 3", log)
-        workers = _workers(job.pid)
+        workers = rank_pids(job.pid)
         os.kill(workers[1], signal.SIGSTOP)
         stopped_after = json.loads(metrics.read_text().splitlines()[-1])["step"]
         # A bound against a hang, not a speed claim (that is tools/bench_timeouts.py's): the line
         # checked below names train.dist_timeout_s, so the timeout is what ended rank 0's wait.
-        _wait(lambda: not _alive(workers[0]), HANG_S, "rank 0 to give up", log)
+        _wait(lambda: not alive(workers[0]), HANG_S, "rank 0 to give up", log)
         os.kill(workers[1], signal.SIGCONT)  # as a frozen machine that comes back: now it can dump
         _wait(lambda: job.poll() is not None, HANG_S, "torchrun to end", log)
     finally:
