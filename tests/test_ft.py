@@ -427,7 +427,7 @@ def test_after_a_lighthouse_restart_the_groups_resume_and_the_log_still_replays(
     port = free_port()
     lighthouse, address = start_lighthouse(tmp_path, port=port)
     common = [*_group_config(address, steps=16), "train.seq_len=32", "train.global_batch_size=8",
-              "checkpoint.every=4", "ft.quorum_timeout_s=5", "ft.timeout_s=5"]
+              "checkpoint.every=4", "ft.quorum_timeout_s=60", "ft.timeout_s=5"]
     groups = [group_job(tmp_path, g, common, nproc=1) for g in (0, 1)]
     jobs = [lighthouse, *groups]
     try:

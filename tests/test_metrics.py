@@ -101,7 +101,7 @@ def test_wandb_offline_records_the_run_and_continues_it_after_resume(tmp_path, m
     home = tmp_path / "home"  # no ~/.netrc login, and wandb's cache stays in the test
     home.mkdir()
     clean.update(HOME=str(home), **{k: catcher.url for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")})
-    monkeypatch.setattr("conftest.env", lambda: clean)
+    monkeypatch.setattr("harness.runs.env", lambda: clean)
 
     run_dir = tmp_path / "run"
     base = [*FAST, "logging=wandb", "logging.wandb.tags=[ci,offline]", "checkpoint.every=3", "optim.warmup_steps=1"]

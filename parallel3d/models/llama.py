@@ -162,10 +162,13 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        # init_weights sets every weight (the same values in every layout): nn.Embedding's own normal_
-        # init would be overwritten, and on the meta device it runs through torch._refs, which
-        # imports torch._dynamo (seconds of start-up on every rank of every run).
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
+        # nn.Embedding's own normal_ init, skipped on the meta device, where there are no values to
+        # draw (init_weights sets them later) and where it runs through torch._refs, which imports
+        # torch._dynamo: seconds of start-up on every rank of every run.
+        weight = torch.empty(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=weight)
+        if not weight.is_meta:
+            self.tok_embeddings.reset_parameters()
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         # Tied embeddings are one parameter used twice, not two modules sharing a weight:
