@@ -1,7 +1,7 @@
 """Checkpoints: exact resume, resharding to other layouts, atomicity, seed checkpoints.
 
-Launched runs save at one layout (``checkpoint.every=5`` over 10 steps) and continue from step 5
-at another; steps 6-10 and the final weights must match the single-process run that never
+Launched runs save at one layout (``checkpoint.every=3`` over the parity runs' 6 steps) and continue
+from step 3 at another; steps 4-6 and the final weights must match the single-process run that never
 stopped (the parity reference) within the tolerance its own sensitivity implies
 (tests/harness/tolerance.py). Same-layout resumes must match their own uninterrupted run bit for
 bit. The in-process tests cover the checkpoint folder itself.
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness.runs import FAST, STEPS, Run, launch, launch_batch, relative_error
-from harness.parity import assert_matches, selected_params
+from harness.parity import PARITY_STEPS, SAVE_EVERY, assert_matches, selected_params
+from harness.runs import FAST, Run, launch, launch_batch, relative_error
 from harness.tolerance import Tolerance
 
 import parallel3d.checkpoint.checkpointer as checkpoint_module
@@ -37,7 +37,7 @@ from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
 from parallel3d.optim.schedule import build_lr_scheduler
 
-SAVE = [*FAST, "checkpoint.every=5", "train.save_model=true"]
+SAVE = [*FAST, f"train.steps={PARITY_STEPS}", f"checkpoint.every={SAVE_EVERY}", "train.save_model=true"]
 DP2_TP2 = ["parallel.dp_shard=2", "parallel.tp=2"]
 FULL_3D = ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=1F1B"]
 
@@ -52,21 +52,21 @@ class Saved:
     def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
         if name not in self.runs:
             self.runs[name] = launch(self.root / name, [*SAVE, *overrides], nproc=nproc)
-        self.runs[name].assert_finished(STEPS)
+        self.runs[name].assert_finished(PARITY_STEPS)
         return self.runs[name]
 
-    def resume(self, name: str, source: Run, nproc: int, overrides: list[str], step: int = 5) -> Run:
+    def resume(self, name: str, source: Run, nproc: int, overrides: list[str], step: int = SAVE_EVERY) -> Run:
         if name not in self.runs:
             self.runs[name] = launch(self.root / name, self.resume_arguments(source.run_dir.name, overrides, step),
                                      nproc=nproc)
         run = self.runs[name]
-        run.assert_finished(STEPS)
-        assert [row["step"] for row in run.metrics] == list(range(step + 1, STEPS + 1)), run.stdout[-2000:]
+        run.assert_finished(PARITY_STEPS)
+        assert [row["step"] for row in run.metrics] == list(range(step + 1, PARITY_STEPS + 1)), run.stdout[-2000:]
         return run
 
-    def resume_arguments(self, source: str, overrides: list[str], step: int = 5) -> list[str]:
+    def resume_arguments(self, source: str, overrides: list[str], step: int = SAVE_EVERY) -> list[str]:
         path = self.root / source / "checkpoints" / f"step_{step}"
-        return [*FAST, f"checkpoint.resume={path}", "train.save_model=true", *overrides]
+        return [*FAST, f"train.steps={PARITY_STEPS}", f"checkpoint.resume={path}", "train.save_model=true", *overrides]
 
     def prefetch(self, layouts: dict[str, tuple[int, list[str]]]) -> None:
         """Launch these (name: ranks, full overrides) in batches of one rank count (tests/harness/layout_batch.py)."""
@@ -108,19 +108,19 @@ def assert_continues(run: Run, source: Run, reference: Run | None = None, tolera
 
 
 def test_auto_resume_continues_exactly(saved):
-    """A run killed after step 7 restarts in its run_dir, resumes from step 5, ends identical."""
+    """A run killed after step 4 restarts in its run_dir, resumes from step 3, ends identical."""
     whole = saved.run("single", 1, [])
     resumed_dir = saved.root / "single-resumed"
     shutil.copytree(whole.run_dir, resumed_dir)
-    shutil.rmtree(resumed_dir / "checkpoints" / "step_10")
+    shutil.rmtree(resumed_dir / "checkpoints" / f"step_{PARITY_STEPS}")
     rows = (resumed_dir / "metrics.jsonl").read_text().splitlines()
-    (resumed_dir / "metrics.jsonl").write_text("\n".join(rows[:7]) + "\n")  # it had logged step 7
+    (resumed_dir / "metrics.jsonl").write_text("\n".join(rows[:4]) + "\n")  # it had logged step 4
     run = launch(resumed_dir, [*SAVE])
-    run.assert_finished(STEPS)
-    assert "resumed from" in run.stdout and "step_5" in run.stdout
-    assert [row["step"] for row in run.metrics] == list(range(1, STEPS + 1))  # one row per step, none repeated
+    run.assert_finished(PARITY_STEPS)
+    assert "resumed from" in run.stdout and f"step_{SAVE_EVERY}" in run.stdout
+    assert [row["step"] for row in run.metrics] == list(range(1, PARITY_STEPS + 1))  # one row per step, none repeated
     assert_matches(whole, run, tolerance=0.0)  # the same operations in the same order: bit for bit
-    assert complete_steps(resumed_dir / "checkpoints") == [5, STEPS]
+    assert complete_steps(resumed_dir / "checkpoints") == [SAVE_EVERY, PARITY_STEPS]
 
 
 @pytest.mark.multirank
@@ -152,7 +152,7 @@ RESHARDS = [
     ("single-to-zero1-tp2", ("single", 1, []), (4, [*DP2_TP2, "parallel.zero_stage=1"])),
     ("pp2-to-interleaved", ("pp2", 2, ["parallel.pp=2"]),
      (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"])),
-    # checkpoint.async_save writes while training goes on; what it wrote is step 5's state.
+    # checkpoint.async_save writes while training goes on; what it wrote is that step's state.
     ("zero3-async-to-zero1", ("dp2-zero3-async", 2, ["parallel.dp_shard=2", "checkpoint.async_save=true"]),
      (2, ["parallel.dp_shard=2", "parallel.zero_stage=1"])),
     ("tp2-to-pp2-tp2", ("tp2", 2, ["parallel.tp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"])),
@@ -167,7 +167,7 @@ RESHARDS = [
 @pytest.mark.parametrize("name,saved_at,continued_at", RESHARDS, ids=[r[0] for r in RESHARDS])
 def test_reshard(saved, parity, name, saved_at, continued_at):
     source = saved.run(*saved_at)
-    assert complete_steps(source.run_dir / "checkpoints") == [5, STEPS]
+    assert complete_steps(source.run_dir / "checkpoints") == [SAVE_EVERY, PARITY_STEPS]
     run = saved.resume(name, source, *continued_at)
     tied = "model.tie_embeddings=true" in saved_at[2]
     assert_continues(run, source, parity.reference(tied=tied), parity.tolerance(tied=tied))
@@ -185,9 +185,11 @@ def test_seed_checkpoint_starts_any_layout(saved, parity):
     assert (step0 / COMPLETE).is_file(), seed_run.stderr[-2000:]
     assert json.loads((step0 / "meta.json").read_text())["model_only"]
     assert not seed_run.metrics  # it trains nothing
-    from_seed = launch(saved.root / "from-seed", [*FAST, f"checkpoint.init_from={step0}", "parallel.tp=2"], nproc=2)
-    from_seed.assert_finished(STEPS)
-    direct = launch(saved.root / "init-std", [*FAST, "model.init_std=0.05"])
+    steps = f"train.steps={PARITY_STEPS}"  # the parity family's tolerance: its steps
+    from_seed = launch(saved.root / "from-seed", [*FAST, steps, f"checkpoint.init_from={step0}", "parallel.tp=2"],
+                       nproc=2)
+    from_seed.assert_finished(PARITY_STEPS)
+    direct = launch(saved.root / "init-std", [*FAST, steps, "model.init_std=0.05"])
     # another layout: the default family's tolerance (the same model, data and optimizer)
     assert_matches(direct, from_seed, tolerance=parity.tolerance(), metrics=("loss",))
 

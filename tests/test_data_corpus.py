@@ -11,9 +11,9 @@ rather than Parity.run: these runs compare with each other, not with the stdlib 
 from __future__ import annotations
 
 import pytest
-from harness.runs import FAST, STEPS, Run, launch, launch_measured
-from harness.parity import assert_matches
 from harness.data_files import write_mixture
+from harness.parity import assert_matches
+from harness.runs import FAST, STEPS, Run, launch, launch_measured
 from harness.tolerance import Tolerance
 
 from parallel3d.data import TokenFile

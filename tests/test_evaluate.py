@@ -12,8 +12,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from harness.runs import RUN_TIMEOUT_S, STEPS, env, relative_error
-from harness.parity import assert_matches, layouts, prefetch_selected
+from harness.parity import PARITY_STEPS, SAVE_EVERY, assert_matches, layouts, prefetch_selected
+from harness.runs import RUN_TIMEOUT_S, env, relative_error
 from harness.tolerance import ONE_PASS
 
 from parallel3d.base import ConfigError
@@ -73,7 +73,7 @@ LAYOUTS = layouts({  # name: (ranks, overrides); micro batches as large as the l
 def document_overrides(token_files) -> list[str]:
     train, heldout = token_files
     return ["data.source=file", f"data.path={train}", "data.document_masking=true", "data.reset_positions=true",
-            f"eval.sources=[{heldout}]", "eval.every=5", "eval.batches=2"]
+            f"eval.sources=[{heldout}]", f"eval.every={SAVE_EVERY}", "eval.batches=2"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,8 +85,9 @@ def batched(parity, request, token_files):
 
 def reference(token_files) -> tuple[str, list[str]]:
     """The one-process run (it trains with its twins, tests/harness/tolerance.py). checkpoint.every:
-    parallel3d-evaluate evaluates its step 5 again (test_evaluate_a_checkpoint_at_dp2)."""
-    return "documents-reference", [*document_overrides(token_files), "train.micro_batch_size=16", "checkpoint.every=5"]
+    parallel3d-evaluate evaluates its middle checkpoint again (test_evaluate_a_checkpoint_at_dp2)."""
+    return "documents-reference", [*document_overrides(token_files), "train.micro_batch_size=16",
+                                   f"checkpoint.every={SAVE_EVERY}"]
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +97,13 @@ def documents_reference(parity, token_files):
 
 def test_reference_evaluates_at_every_and_last_step(documents_reference, token_files):
     rows = documents_reference.metrics
-    assert [r["step"] for r in rows if "val_loss" in r] == [5, STEPS]
+    assert [r["step"] for r in rows if "val_loss" in r] == [SAVE_EVERY, PARITY_STEPS]
     for row in rows:
         if "val_loss" in row:
             assert row["val_perplexity"] == pytest.approx(math.exp(row["val_loss"]), rel=1e-12)
     assert rows[-1]["val_loss"] < rows[4]["val_loss"]  # it learns, and the held-out loss shows it
     console = documents_reference.stdout + documents_reference.stderr
-    assert sum(f"val_loss {rows[s - 1]['val_loss']:.4f}" in console for s in (5, STEPS)) == 2
+    assert sum(f"val_loss {rows[s - 1]['val_loss']:.4f}" in console for s in (SAVE_EVERY, PARITY_STEPS)) == 2
 
 
 def test_document_masking_changes_training(documents_reference, token_files, parity):
@@ -124,20 +125,20 @@ def test_layouts_train_and_evaluate_alike(layout, documents_reference, token_fil
 
 @pytest.mark.multirank
 def test_evaluate_a_checkpoint_at_dp2(documents_reference):
-    """parallel3d-evaluate on the one-process run's step 5, at dp2: the val_loss training logged
+    """parallel3d-evaluate on the one-process run's middle checkpoint (step SAVE_EVERY), at dp2: the val_loss training logged
     there, in a metrics line of its own run_dir (the training run's metrics untouched)."""
     run_dir = documents_reference.run_dir
-    logged = next(r["val_loss"] for r in documents_reference.metrics if r["step"] == 5)
+    logged = next(r["val_loss"] for r in documents_reference.metrics if r["step"] == SAVE_EVERY)
     rows_before = (run_dir / "metrics.jsonl").read_text()
-    step_5 = run_dir / "checkpoints" / "step_5"
+    saved = run_dir / "checkpoints" / f"step_{SAVE_EVERY}"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "parallel3d.cli.evaluate", str(step_5), "parallel.dp_shard=2",
+                           "-m", "parallel3d.cli.evaluate", str(saved), "parallel.dp_shard=2",
                            "train.micro_batch_size=8"],
                           capture_output=True, text=True, env=env(), cwd=run_dir.parent, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = run_dir / "eval" / "step_5" / "metrics.jsonl"
+    out = run_dir / "eval" / f"step_{SAVE_EVERY}" / "metrics.jsonl"
     [line] = [json.loads(row) for row in out.read_text().splitlines()]
-    assert line["step"] == 5 and line["layout"]["dp_shard"] == 2
+    assert line["step"] == SAVE_EVERY and line["layout"]["dp_shard"] == 2
     assert relative_error([line["val_loss"]], [logged]) <= ONE_PASS  # one pass over the held-out data
     assert f"val_loss {line['val_loss']:.6f}" in proc.stdout and str(out) in proc.stdout
     assert (run_dir / "metrics.jsonl").read_text() == rows_before
@@ -146,8 +147,8 @@ def test_evaluate_a_checkpoint_at_dp2(documents_reference):
 def test_evaluate_says_when_there_is_nothing_to_evaluate_on(documents_reference, capsys):
     from parallel3d.cli import evaluate
 
-    step_5 = documents_reference.run_dir / "checkpoints" / "step_5"
-    assert evaluate.main([str(step_5), "eval.sources=[]"]) == 2
+    saved = documents_reference.run_dir / "checkpoints" / f"step_{SAVE_EVERY}"
+    assert evaluate.main([str(saved), "eval.sources=[]"]) == 2
     assert "eval.sources=[]: nothing to evaluate on" in capsys.readouterr().err
-    assert evaluate.main([str(step_5), "no_such_key=1"]) == 2
+    assert evaluate.main([str(saved), "no_such_key=1"]) == 2
     assert "not a valid override" in capsys.readouterr().err

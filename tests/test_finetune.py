@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness.chat_files import chat_records, llama_folder, write_jsonl
-from harness.runs import launch_batch, launch_measured, relative_error
 from harness.parity import assert_matches
+from harness.runs import launch_batch, launch_measured, relative_error
 
 STEPS, GLOBAL_BATCH = 10, 8
 # A constant lr without weight decay: the reference's AdamW is torch's, as configured here.

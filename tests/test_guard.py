@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness.runs import FAST, STEPS, launch_batch, tensorboard_scalars
 from harness.parity import assert_matches
+from harness.runs import FAST, STEPS, launch_batch, tensorboard_scalars
 from harness.tolerance import measure, twins
 
 from parallel3d.runtime.guard import SPIKE_MIN_STEPS, BadStepGuard, TrainingDiverged

@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 import transformers
-from harness.runs import FAST, launch_batch
 from harness.hf_files import TEXT, tiny_qwen3, token_batch
+from harness.runs import FAST, launch_batch
 from safetensors.torch import load_file, save_file
 
 from parallel3d.checkpoint.checkpointer import Checkpointer

@@ -14,8 +14,8 @@ import json
 
 import pytest
 from harness.chat_files import chat_records, llama_folder, write_jsonl
-from harness.parity import assert_matches, layouts, selected_params
 from harness.hf_files import tiny_deepseek_v3, tiny_qwen3
+from harness.parity import assert_matches, layouts, selected_params
 
 # optim.eps=1e-5 (conftest's FAST has 1e-6): B starts at zero, so A's first gradient comes at step 2,
 # proportional to a B that has moved by about lr, and AdamW's first update is near lr * sign(g) for

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from harness.runs import FAST, Run, env, refused_by_the_launcher
 from harness.parity import assert_matches
+from harness.runs import FAST, Run, env, refused_by_the_launcher
 from omegaconf import OmegaConf
 
 from parallel3d.launch.sweep import expand, plan

@@ -8,8 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from harness.runs import STEPS
-from harness.parity import assert_matches, layouts, prefetch_selected
+from harness.parity import PARITY_STEPS, SAVE_EVERY, assert_matches, layouts, prefetch_selected
 from safetensors.torch import load_file, save_file
 
 from parallel3d.base import ConfigError
@@ -24,7 +23,7 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8"]  # scale alpha / rank = 2
 # trainable parameters in one FSDP unit, pp stages hold their blocks' adapters (a zero-bubble
 # schedule: its split weight backward meets the frozen base).
 LAYOUTS = layouts({
-    "dp2_tp2": (4, ["parallel.dp_shard=2", "parallel.tp=2", "checkpoint.every=5"]),
+    "dp2_tp2": (4, ["parallel.dp_shard=2", "parallel.tp=2", f"checkpoint.every={SAVE_EVERY}"]),
     "dp2_cp2_zero3": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=3"]),
     "dp2_pp2_zbv": (4, ["parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"]),
 })
@@ -101,9 +100,9 @@ def test_resume_at_another_layout(parity, lora_reference, lora_tolerance):
     """dp2 x tp2's step-5 checkpoint (adapters and their optimizer state split over dp and tp)
     resumed by one process continues as the one-process run did."""
     run = parity.train(LAYOUTS[0], prefix="lora-", extra=LORA)
-    step_5 = run.run_dir / "checkpoints" / "step_5"
-    resumed = parity.run("lora-resumed", 1, [*LORA, "train.micro_batch_size=16", f"checkpoint.resume={step_5}"])
-    assert [row["step"] for row in resumed.metrics] == list(range(6, STEPS + 1))
+    saved = run.run_dir / "checkpoints" / f"step_{SAVE_EVERY}"
+    resumed = parity.run("lora-resumed", 1, [*LORA, "train.micro_batch_size=16", f"checkpoint.resume={saved}"])
+    assert [row["step"] for row in resumed.metrics] == list(range(SAVE_EVERY + 1, PARITY_STEPS + 1))
     assert_matches(lora_reference, resumed, tolerance=lora_tolerance, weights=True)
 
 
@@ -115,7 +114,7 @@ def test_exports(parity, lora_reference, tmp_path):
     from parallel3d.cli.convert_hf import export, load_tensors, model_config, parameter_shapes, stored_adapters
 
     run = parity.train(LAYOUTS[0], prefix="lora-", extra=LORA)
-    step_dir = run.run_dir / "checkpoints" / "step_10"
+    step_dir = run.run_dir / "checkpoints" / f"step_{PARITY_STEPS}"
     export(step_dir, tmp_path / "merged", torch.float32, adapter_dir=tmp_path / "adapter")
     cfg = model_config(step_dir)
     # The last checkpoint, whole: adapters unmerged, our names.

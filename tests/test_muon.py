@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.runs import STEPS
-from harness.parity import assert_matches
+from harness.parity import PARITY_STEPS, SAVE_EVERY, assert_matches
 from omegaconf import OmegaConf
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -34,13 +33,13 @@ PARITY = [*MUON, "optim.lr=1e-3"]
 
 LAYOUTS = {  # name: (ranks, overrides); all in one 4-rank launch
     "muon-dp4-zero3": (4, ["parallel.zero_stage=3"]),
-    "muon-dp2-tp2": (4, ["parallel.tp=2", "checkpoint.every=5"]),  # saves the step a resume starts from
+    "muon-dp2-tp2": (4, ["parallel.tp=2", f"checkpoint.every={SAVE_EVERY}"]),  # saves the step a resume starts from
     "muon-dp2-pp2": (4, ["parallel.pp=2"]),
     # each expert on 2 ranks: split over ep, then its matrices sharded by FSDP over expert_dp
     "muon-ep2-dp4": (4, [*MOE, "parallel.ep=2", "parallel.zero_stage=3"]),
 }
 SAVING = "muon-dp2-tp2"
-# dp2 x pp2 resumes the dp2 x tp2 run's step 5: FSDP x tp shards of the momentum, read as FSDP x pp ones.
+# dp2 x pp2 resumes the dp2 x tp2 run's middle checkpoint: FSDP x tp shards of the momentum, read as FSDP x pp ones.
 RESUMED = ("muon-resumed-dp2-pp2", (4, ["parallel.pp=2"]))
 
 
@@ -252,7 +251,7 @@ def saved_checkpoint(parity) -> Path:
     """The dp2 x tp2 run's step-5 checkpoint, where that run is (or will be: the resume trains after
     it in one launch)."""
     nproc, overrides = LAYOUTS[SAVING]
-    return parity.run_dir(SAVING, nproc, [*PARITY, *overrides]) / "checkpoints" / "step_5"
+    return parity.run_dir(SAVING, nproc, [*PARITY, *overrides]) / "checkpoints" / f"step_{SAVE_EVERY}"
 
 
 @pytest.fixture(scope="module")
@@ -294,5 +293,5 @@ def test_muon_state_saved_at_dp2_tp2_resumes_at_dp2_pp2(muon_runs):
     name, (nproc, overrides) = RESUMED
     saved = saved_checkpoint(muon_runs)
     run = muon_runs.run(name, nproc, [*PARITY, *overrides, f"checkpoint.resume={saved}"])
-    assert [r["step"] for r in run.metrics] == list(range(6, STEPS + 1))
+    assert [r["step"] for r in run.metrics] == list(range(SAVE_EVERY + 1, PARITY_STEPS + 1))
     assert_matches(reference, run, tolerance=tolerance, metrics=("loss", "grad_norm"), weights=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness.runs import final_weights
 from harness.parity import layouts, prefetch_selected
+from harness.runs import final_weights
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchao.float8  # noqa: F401  (pyproject's dev extra: missing, this file fails, not skips)
-from harness.runs import relative_error
 from harness.parity import assert_matches, layouts, prefetch_selected
+from harness.runs import relative_error
 from omegaconf import OmegaConf
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -1,5 +1,5 @@
 """Multi-head latent attention and DeepSeek-V3's MoE (model=tiny_mla) under every parallelism: each
-layout trains 10 steps to the losses, gradient norms and final weights of one process, with
+layout trains the parity runs' steps to the losses, gradient norms and final weights of one process, with
 document masking on; the planner's model-state bytes are exact (``Parity.run``). One launch of 4
 ranks trains them all (tests/harness/layout_batch.py)."""
 

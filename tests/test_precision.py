@@ -3,7 +3,7 @@
 In bf16 every layout, one process included, trains under FSDP's mixed-precision policy (a mesh
 of one rank where there is no data parallelism): float32 master weights, the whole model computing
 in bf16, gradients reduced and accumulated in ``train.reduce_dtype``. The parity runs below hold
-each layout to one process over 10 steps, within what the one-process run's own sensitivity
+each layout to one process over the parity runs' steps, within what the one-process run's own sensitivity
 implies (tests/harness/tolerance.py); the policy itself (what is cast where, float32 masters) is
 checked directly by the tests at the end and by the planner's model-state bytes (``Parity.run``).
 """

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import yaml
+from harness.parity import PARITY_STEPS, assert_matches
 from harness.runs import FAST, STEPS, Run, env, launch, launch_measured, relative_error
-from harness.parity import assert_matches
 
 from parallel3d.optim.schedule import lr_factor
 
@@ -75,8 +75,9 @@ def test_one_process_trains_alike_at_every_zero_stage(tmp_path, parity, zero_sta
     """Without data parallelism a ZeRO stage has nothing to shard or reduce: accumulating micro
     batches trains as the default single process does (another order of the same sums: within the
     tolerance its sensitivity implies, tests/harness/tolerance.py)."""
-    run = launch(tmp_path / f"zero{zero_stage}", [*FAST, f"parallel.zero_stage={zero_stage}", "train.micro_batch_size=4"])
-    run.assert_finished(STEPS)
+    run = launch(tmp_path / f"zero{zero_stage}", [*FAST, f"train.steps={PARITY_STEPS}", f"parallel.zero_stage={zero_stage}",
+                                                   "train.micro_batch_size=4"])
+    run.assert_finished(PARITY_STEPS)
     assert_matches(parity.reference(), run, tolerance=parity.tolerance(), metrics=("loss",))
 
 
@@ -111,9 +112,10 @@ def test_bfloat16_one_process_and_offline_wandb(tmp_path):
 
 @pytest.mark.multirank
 def test_launcher_runs_torchrun_with_mixed_precision_fsdp(tmp_path, reference_run):
-    run = launch(tmp_path / "launcher", [*FAST, "parallel=zero2", "train.param_dtype=bfloat16",
-                                         "train.micro_batch_size=4"], nproc=2, launcher="parallel3d-run")
-    run.assert_finished(STEPS)
+    run = launch(tmp_path / "launcher", [*FAST, f"train.steps={PARITY_STEPS}", "parallel=zero2",
+                                         "train.param_dtype=bfloat16", "train.micro_batch_size=4"], nproc=2,
+                 launcher="parallel3d-run")
+    run.assert_finished(PARITY_STEPS)
     # bf16 compute, fp32 master weights and reduction: close to the fp32 run, not equal to it.
     assert relative_error(run.losses, reference_run.losses) < 2e-2
     assert yaml.safe_load((run.run_dir / "config.yaml").read_text())["parallel"]["dp_shard"] == 2

@@ -7,9 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.runs import FAST, STEPS, Run, final_weights
+from harness.runs import FAST, Run, final_weights
 from harness.store import RunStore, run_key
 from harness.tolerance import Tolerance, log_comparison, measure, metric_spread, twins, weight_spread
+
+# A parity run trains PARITY_STEPS steps of FAST: the warmup (2 steps), then the decay, with the
+# optimizer's moments carried through every update; one that saves for a resume saves every
+# SAVE_EVERY steps, so a resume from the middle continues for 3 steps. Steps are most of what a
+# layout costs the suite (tools/suite_cpu.py --layouts); the tolerance is derived from the
+# reference's own spread over the same steps (tolerance.py).
+PARITY_STEPS = 6
+SAVE_EVERY = 3
 
 @dataclass(frozen=True)
 class Layout:
@@ -89,7 +97,7 @@ class Parity:
             self.runs[key] = Run.from_record(self.store.get({name: (nproc, arguments)})[name])
         run = self.runs[key]
         if key not in self.checked:
-            run.assert_finished(STEPS)
+            run.assert_finished(PARITY_STEPS)
             self.assert_planned_model_state(run, arguments, nproc)
             self.checked.add(key)
         return run
@@ -107,7 +115,7 @@ class Parity:
 
     @staticmethod
     def arguments(overrides: list[str]) -> list[str]:
-        return [*FAST, *overrides, "train.save_model=true"]
+        return [*FAST, f"train.steps={PARITY_STEPS}", *overrides, "train.save_model=true"]
 
     @staticmethod
     def assert_planned_model_state(run: Run, overrides: list[str], nproc: int) -> None:

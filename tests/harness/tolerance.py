@@ -4,7 +4,7 @@ A layout computes what one process computes in another float32 order: tensor par
 matmul's sum, data parallelism sums gradients over ranks, a CPU with other kernels (torch's
 ``ATEN_CPU_CAPABILITY``) blocks its sums otherwise. Each reorder moves a value by float32 round-off,
 and training carries that through the steps by as much as the run itself amplifies it: AdamW's
-tiny model keeps its losses within a few float32 spacings over 10 steps, Muon (Newton–Schulz) and
+tiny model keeps its losses within a few float32 spacings over the parity runs' steps, Muon (Newton–Schulz) and
 bf16 (a master weight's update flips its bf16 copy) move far more. A bound chosen from the numbers
 one machine printed is a coin toss on the next.
 
