@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness.parity import PARITY_STEPS, SAVE_EVERY, assert_matches, selected_params
-from harness.runs import FAST, Run, launch, launch_batch, relative_error
+from harness.parity import PARITY_STEPS, SAVE_EVERY, SAVING, assert_matches, selected_params
+from harness.runs import FAST, Run, launch, relative_error
+from harness.store import RunStore
 from harness.tolerance import Tolerance
 
 import parallel3d.checkpoint.checkpointer as checkpoint_module
@@ -37,54 +38,54 @@ from parallel3d.config.schema import CheckpointConfig, ModelConfig, OptimConfig
 from parallel3d.models import Transformer
 from parallel3d.optim.schedule import build_lr_scheduler
 
-SAVE = [*FAST, f"train.steps={PARITY_STEPS}", f"checkpoint.every={SAVE_EVERY}", "train.save_model=true"]
+SAVE = SAVING  # what the saving runs train, also read by tests/test_launch_multinode.py
 DP2_TP2 = ["parallel.dp_shard=2", "parallel.tp=2"]
 FULL_3D = ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=1F1B"]
 
 
 class Saved:
-    """Runs that save checkpoints, each launched once, shared by the tests of this module."""
+    """Runs that save checkpoints, from the session's run store (tests/harness/store.py: trained once,
+    whichever file asks first), and their resumes; ``root`` for this module's own launches."""
 
-    def __init__(self, root: Path):
-        self.root, self.runs = root, {}
+    def __init__(self, store: RunStore, root: Path):
+        self.store, self.root, self.runs = store, root, {}
         root.mkdir(parents=True, exist_ok=True)
 
     def run(self, name: str, nproc: int, overrides: list[str]) -> Run:
         if name not in self.runs:
-            self.runs[name] = launch(self.root / name, [*SAVE, *overrides], nproc=nproc)
+            self.prefetch({name: (nproc, [*SAVE, *overrides])})
         self.runs[name].assert_finished(PARITY_STEPS)
         return self.runs[name]
 
     def resume(self, name: str, source: Run, nproc: int, overrides: list[str], step: int = SAVE_EVERY) -> Run:
         if name not in self.runs:
-            self.runs[name] = launch(self.root / name, self.resume_arguments(source.run_dir.name, overrides, step),
-                                     nproc=nproc)
+            self.prefetch({name: (nproc, self.resume_arguments(source, overrides, step))})
         run = self.runs[name]
         run.assert_finished(PARITY_STEPS)
         assert [row["step"] for row in run.metrics] == list(range(step + 1, PARITY_STEPS + 1)), run.stdout[-2000:]
         return run
 
-    def resume_arguments(self, source: str, overrides: list[str], step: int = SAVE_EVERY) -> list[str]:
-        path = self.root / source / "checkpoints" / f"step_{step}"
+    @staticmethod
+    def resume_arguments(source: Run, overrides: list[str], step: int = SAVE_EVERY) -> list[str]:
+        path = source.run_dir / "checkpoints" / f"step_{step}"
         return [*FAST, f"train.steps={PARITY_STEPS}", f"checkpoint.resume={path}", "train.save_model=true", *overrides]
 
-    def prefetch(self, layouts: dict[str, tuple[int, list[str]]]) -> None:
-        """Launch these (name: ranks, full overrides) in batches of one rank count (tests/harness/layout_batch.py)."""
-        for nproc in sorted({n for n, _ in layouts.values()}):
-            self.runs |= launch_batch(self.root, {k: o for k, (n, o) in layouts.items() if n == nproc}, nproc)
+    def prefetch(self, runs: dict[str, tuple[int, list[str]]]) -> None:
+        """These (name: ranks, full overrides), a few per launch (runs another file trained are read)."""
+        self.runs |= {name: Run.from_record(record) for name, record in self.store.get(runs).items()}
 
 
 @pytest.fixture(scope="module")
-def saved(runs_root, request) -> Saved:
+def saved(run_store, runs_root, request) -> Saved:
     """The selected tests' saving runs train first, then their resumes: a few launches for all."""
-    saved = Saved(runs_root / "checkpoints")
+    saved = Saved(run_store, runs_root / "checkpoints")
     wanted = selected_params(request, "name")
     reshards = [r for r in RESHARDS if r[0] in wanted]
     if any(item.name == "test_resume_at_the_same_layout_dp2_tp2" for item in request.session.items):
         reshards.append(("dp2-tp2-again", ("dp2-tp2", 4, DP2_TP2), (4, DP2_TP2)))
     saved.prefetch({source: (n, [*SAVE, *o]) for _, (source, n, o), _ in reshards})
-    saved.prefetch({name: (n, saved.resume_arguments(source, o)) for name, (source, *_), (n, o) in reshards
-                    if source in saved.runs})
+    saved.prefetch({name: (n, saved.resume_arguments(saved.runs[source], o)) for name, (source, *_), (n, o) in reshards
+                    if saved.runs[source].returncode == 0})
     return saved
 
 

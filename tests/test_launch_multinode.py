@@ -15,20 +15,23 @@ import sys
 import time
 
 import pytest
-from harness.runs import FAST, STEPS, Run, env, launch
+from harness.parity import PARITY_STEPS, SAVING
+from harness.runs import Run, env
 from harness.virtual_cluster import TERMINAL, Nodes, SlurmCluster, cluster_unavailable, nodes_unavailable
 
 pytestmark = pytest.mark.multirank
 NO_NODES, NO_CLUSTER = nodes_unavailable(), cluster_unavailable()
-LAYOUT = ["parallel.tp=2"]  # 4 ranks: dp2 x tp2, so both kinds of collective cross the "network"
+# 4 ranks: dp2 x tp2, so both kinds of collective cross the "network"; trained as tests/test_checkpoint.py's
+# dp2 x tp2 run that saves (the session's run store trains that once for both files).
+LAYOUT = [*SAVING, "parallel.dp_shard=2", "parallel.tp=2"]
 TIMEOUT_S = 300  # a run takes ~30 s; under pytest's own 600 s per test, so our tear-down still runs
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Run:
+def reference(run_store) -> Run:
     """The same layout under plain torchrun on one node."""
-    run = launch(tmp_path_factory.mktemp("single_node") / "run", [*FAST, *LAYOUT], nproc=4)
-    run.assert_finished(STEPS)
+    run = Run.from_record(run_store.get({"dp2-tp2": (4, LAYOUT)})["dp2-tp2"])
+    run.assert_finished(PARITY_STEPS)
     return run
 
 
@@ -54,13 +57,13 @@ def test_torchrun_on_two_nodes(rendezvous, reference, tmp_path):
         for rank, name in enumerate(nodes.names):
             node_rank = ["--node-rank", str(rank)] if rendezvous == "static" else []
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                   *node_rank, *rdzv, "-m", "parallel3d.train", f"run_dir={run_dir}", *FAST, *LAYOUT]
+                   *node_rank, *rdzv, "-m", "parallel3d.train", f"run_dir={run_dir}", *LAYOUT]
             with open(tmp_path / f"{name}.log", "w") as log:
                 procs.append(nodes.popen(name, cmd, env=env(), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT))
         codes = wait_all(procs, TIMEOUT_S)
     logs = "\n".join(f"--- {name}\n{(tmp_path / f'{name}.log').read_text()[-3000:]}" for name in nodes.names)
     run = Run(run_dir, 0, "", f"exit codes {codes}\n{logs}")
-    run.assert_finished(STEPS)  # 4 ranks at 2 per node: a finished run had both nodes in it
+    run.assert_finished(PARITY_STEPS)  # 4 ranks at 2 per node: a finished run had both nodes in it
     assert run.losses == reference.losses  # the same layout: the same operations, bit for bit
 
 
@@ -70,7 +73,7 @@ SLURM = ["slurm.nodes=2", "slurm.gpus_per_node=0", "slurm.nproc_per_node=2", "sl
 
 def submit(cluster: SlurmCluster, run_dir, cwd, overrides: list[str]) -> str:
     """parallel3d-slurm on the login host, as a user would run it; the job id."""
-    done = cluster.run([sys.executable, "-m", "parallel3d.launch.slurm", f"run_dir={run_dir}", *FAST, *LAYOUT,
+    done = cluster.run([sys.executable, "-m", "parallel3d.launch.slurm", f"run_dir={run_dir}", *LAYOUT,
                         *SLURM, *overrides], env=env(), cwd=cwd, check=False, timeout=180)
     found = re.search(r"parallel3d: submitted job (\d+)", done.stdout)
     assert done.returncode == 0 and found, f"{done.stdout}\n{done.stderr}\n{cluster.logs()}"
@@ -98,7 +101,7 @@ def test_slurm_job_on_two_nodes(reference, tmp_path):
     # finished run ("terminate called without an active exception" from a C++ static destructor,
     # see parallel3d/train.py main()), and the job would then end FAILED.
     run = Run(run_dir, 0, "", why)
-    run.assert_finished(STEPS)
+    run.assert_finished(PARITY_STEPS)
     assert run.losses == reference.losses  # the same layout: the same operations, bit for bit
 
 
@@ -108,9 +111,11 @@ def test_slurm_job_requeues_itself_before_its_time_limit_and_resumes(reference, 
     itself; the next attempt resumes from the newest checkpoint and ends with the same losses."""
     run_dir = tmp_path / "run"
     with SlurmCluster(2) as cluster:
-        job_id = submit(cluster, run_dir, tmp_path, ["checkpoint.every=3"])
+        # A checkpoint every step (the numbers do not change): the signal comes after the first, with
+        # the run's other steps still to go.
+        job_id = submit(cluster, run_dir, tmp_path, ["checkpoint.every=1"])
         deadline = time.monotonic() + TIMEOUT_S
-        while not (run_dir / "checkpoints" / "step_3" / "COMPLETE").exists() and time.monotonic() < deadline:
+        while not (run_dir / "checkpoints" / "step_1" / "COMPLETE").exists() and time.monotonic() < deadline:
             time.sleep(0.5)
         cluster.run(["scancel", "--batch", "--signal=USR1", job_id])  # what Slurm sends near the limit
         while cluster.job_state(job_id) not in ("PENDING", *TERMINAL) and time.monotonic() < deadline:
@@ -128,5 +133,5 @@ def test_slurm_job_requeues_itself_before_its_time_limit_and_resumes(reference, 
     assert f"job {job_id} (restart 1)" in log, why
     assert "resumed from" in log, why
     run = Run(run_dir, 0, "", why)
-    run.assert_finished(STEPS)
+    run.assert_finished(PARITY_STEPS)
     assert run.losses == reference.losses  # the same layout: the same operations, bit for bit

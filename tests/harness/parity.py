@@ -18,6 +18,7 @@ from harness.tolerance import Tolerance, log_comparison, measure, metric_spread,
 # reference's own spread over the same steps (tolerance.py).
 PARITY_STEPS = 6
 SAVE_EVERY = 3
+SAVING = [*FAST, f"train.steps={PARITY_STEPS}", f"checkpoint.every={SAVE_EVERY}", "train.save_model=true"]
 
 @dataclass(frozen=True)
 class Layout:
