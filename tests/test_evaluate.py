@@ -101,7 +101,8 @@ def test_reference_evaluates_at_every_and_last_step(documents_reference, token_f
     for row in rows:
         if "val_loss" in row:
             assert row["val_perplexity"] == pytest.approx(math.exp(row["val_loss"]), rel=1e-12)
-    assert rows[-1]["val_loss"] < rows[4]["val_loss"]  # it learns, and the held-out loss shows it
+    held_out = [row["val_loss"] for row in rows if "val_loss" in row]
+    assert held_out[-1] < held_out[0]  # it learns, and the held-out loss shows it
     console = documents_reference.stdout + documents_reference.stderr
     assert sum(f"val_loss {rows[s - 1]['val_loss']:.4f}" in console for s in (SAVE_EVERY, PARITY_STEPS)) == 2
 

@@ -263,7 +263,13 @@ def test_a_killed_group_heals_from_its_live_peer_and_the_log_replays_to_the_weig
     chain = read_membership(logs)  # the steps the final weights descend from
     assert list(chain) == list(range(1, 25))
     discarded = {step for step, e in chain.items() if e["discarded_attempts"]}
-    assert set(fails[0]) <= discarded  # group 0's failures (it lives throughout): discarded by every group
+    # Group 0 lives throughout: each of its failures was discarded by every group in that attempt's
+    # quorum (a group that joined at a later attempt of the step, healing there, never saw it).
+    for g in (0, 1):
+        witnesses = [e for e in membership(tmp_path / f"group{g}")
+                     if e["step"] in fails[0] and 0 in e["participants"] and g not in e["healed"]]
+        assert witnesses and all(e["discarded_attempts"] for e in witnesses), (g, witnesses)
+        assert g == 1 or {e["step"] for e in witnesses} == set(fails[0]), witnesses
     assert set(fails[1]) & discarded - set(fails[0])  # and some of group 1's
     alone = [e for e in chain.values() if e["participants"] == [0]]
     assert alone and all(e["dropped_slices"] == [1] and e["samples_dropped"] == 8 for e in alone)
