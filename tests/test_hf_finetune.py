@@ -29,7 +29,7 @@ LAYOUTS = layouts({
     "dp2_tp2": (4, ["parallel.dp_shard=2", "parallel.tp=2"]),
     "dp2_pp2": (4, ["parallel.dp_shard=2", "parallel.pp=2"]),
     "dp2_cp2": (4, ["parallel.dp_shard=2", "parallel.cp=2"]),
-    "zero3": (4, ["parallel.dp_shard=4", "parallel.zero_stage=3"]),
+    "zero3": (4, ["parallel.dp_shard=4", "parallel.zero_stage=3", "train.micro_batch_size=2"]),
 })
 # (folder, LoRA or a full fine-tune, layout): run name -> its layout.
 LORA_RUNS = {f"{folder}-lora-{layout.name}": (folder, True, layout) for folder in ("llama3", "qwen3_moe")

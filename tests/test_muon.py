@@ -32,11 +32,11 @@ MOE = ["model=tiny_moe", "model.moe.expert_ffn_dim=32"]
 PARITY = [*MUON, "optim.lr=1e-3"]
 
 LAYOUTS = {  # name: (ranks, overrides); all in one 4-rank launch
-    "muon-dp4-zero3": (4, ["parallel.zero_stage=3"]),
+    "muon-dp4-zero3": (4, ["parallel.zero_stage=3", "train.micro_batch_size=2"]),  # accumulating
     "muon-dp2-tp2": (4, ["parallel.tp=2", f"checkpoint.every={SAVE_EVERY}"]),  # saves the step a resume starts from
     "muon-dp2-pp2": (4, ["parallel.pp=2"]),
     # each expert on 2 ranks: split over ep, then its matrices sharded by FSDP over expert_dp
-    "muon-ep2-dp4": (4, [*MOE, "parallel.ep=2", "parallel.zero_stage=3"]),
+    "muon-ep2-dp4": (4, [*MOE, "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=2"]),
 }
 SAVING = "muon-dp2-tp2"
 # dp2 x pp2 resumes the dp2 x tp2 run's middle checkpoint: FSDP x tp shards of the momentum, read as FSDP x pp ones.

@@ -16,15 +16,18 @@ from parallel3d.validate import check
 
 MOE = ["model=tiny_moe"]
 
+# FAST's micro batch (4) is a dp4 rank's whole batch: these accumulate 2 micro batches of 2 as the
+# ZeRO stages do with experts sharded over expert_dp.
+ACCUMULATE = ["train.micro_batch_size=2"]
 LAYOUTS = layouts({  # name: (ranks, overrides)
     "ep2-dp2-zero3": (2, ["parallel.ep=2", "parallel.zero_stage=3"]),
-    "ep4-dp4-zero3": (4, ["parallel.ep=4", "parallel.zero_stage=3"]),
+    "ep4-dp4-zero3": (4, ["parallel.ep=4", "parallel.zero_stage=3", *ACCUMULATE]),
     # dp4: each expert on 2 ranks (expert_dp), the experts' own units shard or replicate them there
-    "ep2-dp4-zero0": (4, ["parallel.ep=2", "parallel.zero_stage=0"]),
-    "ep2-dp4-zero1": (4, ["parallel.ep=2", "parallel.zero_stage=1"]),
-    "ep2-dp4-zero2": (4, ["parallel.ep=2", "parallel.zero_stage=2", "checkpoint.every=2"]),  # + resharding
+    "ep2-dp4-zero0": (4, ["parallel.ep=2", "parallel.zero_stage=0", *ACCUMULATE]),
+    "ep2-dp4-zero1": (4, ["parallel.ep=2", "parallel.zero_stage=1", *ACCUMULATE]),
+    "ep2-dp4-zero2": (4, ["parallel.ep=2", "parallel.zero_stage=2", "checkpoint.every=2", *ACCUMULATE]),  # + resharding
     "ep2-dp2-pp2": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"]),
-    "ep2-dp4-pp2": (8, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"]),  # expert units in stages
+    "ep2-dp4-pp2": (8, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3", *ACCUMULATE]),  # expert units in stages
     # ep borrows the tp ranks: each routes its sequence shard; router replicated over tp (dp2)
     "ep2-tp2-dp2-zero3": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=8"]),
     # ep borrows the cp ranks: the aux loss adds up each sequence's counts over cp (dp2)

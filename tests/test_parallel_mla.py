@@ -24,7 +24,7 @@ LAYOUTS = layouts({  # name: (ranks, overrides)
     "dp2-pp2": (4, ["parallel.pp=2", "model.activation_checkpoint=full"]),
     "dp2-cp2-alltoall": (4, ["parallel.cp=2", "parallel.cp_method=alltoall", "train.micro_batch_size=8"]),
     "dp2-cp2-ring": (4, ["parallel.cp=2", "parallel.cp_method=ring", "train.micro_batch_size=8"]),
-    "ep2-dp4": (4, ["parallel.ep=2"]),
+    "ep2-dp4": (4, ["parallel.ep=2", "train.micro_batch_size=2"]),  # accumulating, as at dp2
 })
 
 
