@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness.parity import PARITY_STEPS, SAVE_EVERY, SAVING, assert_matches, selected_params
+from harness.parity import FULL_3D, PARITY_STEPS, SAVE_EVERY, SAVING, assert_matches, selected_params
 from harness.runs import FAST, Run, launch, relative_error
 from harness.store import RunStore
 from harness.tolerance import Tolerance
@@ -40,7 +40,6 @@ from parallel3d.optim.schedule import build_lr_scheduler
 
 SAVE = SAVING  # what the saving runs train, also read by tests/test_launch_multinode.py
 DP2_TP2 = ["parallel.dp_shard=2", "parallel.tp=2"]
-FULL_3D = ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=1F1B"]
 
 
 class Saved:

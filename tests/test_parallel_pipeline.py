@@ -5,7 +5,7 @@ every ZeRO stage: tests/test_parallel_pipeline_zero.py.)"""
 from __future__ import annotations
 
 import pytest
-from harness.parity import layouts, prefetch_selected
+from harness.parity import FULL_3D, SAVE_EVERY, layouts, prefetch_selected
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
@@ -29,8 +29,8 @@ LAYOUTS += layouts({
                              "train.micro_batch_size=2"]),
     "dp2-tp2-pp2-Interleaved1F1B": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=2",
                                         "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=2"]),
-    "dp2-tp2-pp2-1F1B-zero1": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
-                                   "train.micro_batch_size=2"]),
+    # the run tests/test_checkpoint.py saves and reshards ("3d-zero1"): trained once for both
+    "dp2-tp2-pp2-1F1B-zero1": (8, [*FULL_3D, "parallel.zero_stage=1", f"checkpoint.every={SAVE_EVERY}"]),
     "hsdp2x2-pp2-Interleaved1F1B": (8, ["parallel.dp_replicate=2", "parallel.pp=2", "parallel.zero_stage=3",
                                         "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=2"]),
 })

@@ -19,6 +19,8 @@ from harness.tolerance import Tolerance, log_comparison, measure, metric_spread,
 PARITY_STEPS = 6
 SAVE_EVERY = 3
 SAVING = [*FAST, f"train.steps={PARITY_STEPS}", f"checkpoint.every={SAVE_EVERY}", "train.save_model=true"]
+# dp2 x tp2 x pp2 under 1F1B: a pipeline parity layout and a saved run that tests/test_checkpoint.py reshards
+FULL_3D = ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=1F1B"]
 
 @dataclass(frozen=True)
 class Layout:
