@@ -50,6 +50,11 @@ def is_dtensor(value: object) -> bool:
     return module is not None and isinstance(value, module.DTensor)
 
 
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``value``: a DTensor's local shard, any other tensor itself."""
+    return value.to_local() if is_dtensor(value) else value
+
+
 def is_checkpoint_exception(error: BaseException) -> bool:
     """Whether ``error`` is DCP's CheckpointException (a BaseException, not an Exception), without
     importing DCP: a run that never saved or loaded one never raised one."""

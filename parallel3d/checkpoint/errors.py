@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.base import RunError, is_checkpoint_exception, is_dtensor
+from parallel3d.base import RunError, is_checkpoint_exception, local_tensor
 
 
 class CheckpointError(RunError):
@@ -85,7 +85,7 @@ def checkpoint_errors(path: Path, *, saving: bool, every_rank: bool = False):
 
 def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     """The keys of tensors (this rank's shards) holding NaN or Inf: one flag per tensor, one sync."""
-    floating = [(k, t.to_local() if is_dtensor(t) else t) for k, t in tensors.items()
+    floating = [(k, local_tensor(t)) for k, t in tensors.items()
                 if t.is_floating_point()]
     if not floating:
         return []

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel3d.base import is_dtensor
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if is_dtensor(t) else t).detach()
+from parallel3d.base import local_tensor
 
 
 class OuterStep:
@@ -27,13 +23,13 @@ class OuterStep:
 
     def __init__(self, params: list[torch.Tensor], *, lr: float, momentum: float):
         self.params = params  # the model's trainable parameters, in the optimizer's order
-        self.global_ = [_local(p).clone() for p in params]
+        self.global_ = [local_tensor(p).detach().clone() for p in params]
         self.outer = torch.optim.SGD(self.global_, lr=lr, momentum=momentum, nesterov=True)
 
     @torch.no_grad()
     def pseudo_gradients(self) -> list[torch.Tensor]:
         """Global minus local, what the groups average."""
-        return [g - _local(p) for g, p in zip(self.global_, self.params)]
+        return [g - local_tensor(p).detach() for g, p in zip(self.global_, self.params)]
 
     @torch.no_grad()
     def step(self, averaged: list[torch.Tensor]) -> None:
@@ -48,7 +44,7 @@ class OuterStep:
     def restore(self) -> None:
         """Local weights back to the global ones (after a step, or a sync that failed)."""
         for g, p in zip(self.global_, self.params):
-            _local(p).copy_(g)
+            local_tensor(p).detach().copy_(g)
 
     def state_dict(self) -> dict:
         """For a healing peer: the global weights and the outer momentum."""

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel3d.base import is_dtensor
+from parallel3d.base import local_tensor
 from parallel3d.config.fault_tolerance import lighthouse_address
 from parallel3d.ft import FTError
 from parallel3d.ft.diloco import OuterStep
@@ -140,7 +140,7 @@ class ReplicaGroup:
         on any group's side discards the step on every group, not only that one."""
         if self.inner_steps:  # DiLoCo's inner steps stay inside the group
             return
-        self._mean_with_health([_local(p.grad) for p in params if p.grad is not None] + [loss_sum])
+        self._mean_with_health([local_tensor(p.grad) for p in params if p.grad is not None] + [loss_sum])
 
     def average(self, tensor: torch.Tensor) -> None:
         if not self.inner_steps:
@@ -246,10 +246,6 @@ def join_replicas(c, run_dir: Path, *, train, guard, sampler, start_step: int, d
 def _no_flight_recorder_note(record: logging.LogRecord) -> bool:
     """torchft warns at each new quorum that it cannot reset NCCL's flight recorder: true of gloo, always."""
     return "flight recorder" not in record.getMessage()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
 
 
 def _first_line(e: BaseException) -> str:

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 import torch
 
-from parallel3d.base import is_dtensor
+from parallel3d.base import local_tensor
 from parallel3d.ft import FTError
 from parallel3d.checkpoint.checkpointer import TrainState
 from parallel3d.optim.adamw import init_optimizer_state
@@ -37,10 +37,6 @@ class RunState:
     float8_all_gather: bool = False  # precomputed float8 scales to refresh after a copy
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if is_dtensor(t) else t).detach()
-
-
 def _entries(state: TrainState, with_optimizer: bool) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor that defines the model and optimizer, in one order on every
     group of one layout (a tied copy appears twice: both copies are written)."""
@@ -58,7 +54,7 @@ def state_digest(run: RunState) -> str:
     t = run.train
     digest = hashlib.sha256()
     for _, value in _entries(t, with_optimizer=bool(t.optimizer.state)):
-        digest.update(_local(value).reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        digest.update(local_tensor(value).detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
     digest.update(torch.get_rng_state().numpy().tobytes())
     numbers = {"scheduler": t.scheduler.state_dict(), "lr": [g["lr"] for g in t.optimizer.param_groups],
                "data_offset": run.sampler.offset, "guard": run.guard.state_dict()}
@@ -84,7 +80,7 @@ def heal_state(run: RunState) -> dict:
         rng["cuda"] = torch.cuda.get_rng_state()
     guard = run.guard
     return {"replica_id": run.replica_id, "fingerprint": run.fingerprint,
-            "names": [name for name, _ in entries], "tensors": [_local(v) for _, v in entries],
+            "names": [name for name, _ in entries], "tensors": [local_tensor(v).detach() for _, v in entries],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups],
             "scheduler": t.scheduler.state_dict(), "rng": rng, "data_offset": run.sampler.offset,
             "guard": {**guard.state_dict(), "bad_in_a_row": guard.bad_in_a_row}}
@@ -109,7 +105,7 @@ def apply_heal_state(run: RunState, sent: dict) -> None:
         raise FTError(f"ft: the state of replica group {sent['replica_id']} does not match this group's tensors. "
                        f"Fix: start every replica group with the same config and layout")
     for (name, mine), theirs in zip(entries, sent["tensors"]):
-        local = _local(mine)
+        local = local_tensor(mine).detach()
         if local.shape != theirs.shape or local.dtype != theirs.dtype:
             raise FTError(f"ft: {name} is {tuple(theirs.shape)} {theirs.dtype} in replica group "
                            f"{sent['replica_id']}, {tuple(local.shape)} {local.dtype} here. Fix: one layout for all")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from parallel3d.base import is_dtensor
+from parallel3d.base import local_tensor
 from parallel3d.progress import Progress
 
 INIT_TIMEOUT_S = 60.0  # wandb.init's wait for its server before the run goes on offline
@@ -56,7 +56,7 @@ def max_memory_bytes(device: torch.device) -> int:
 
 
 def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if is_dtensor(t) else t
+    local = local_tensor(t)
     return local.numel() * local.element_size()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel3d.base import ConfigError, is_dtensor
+from parallel3d.base import ConfigError, is_dtensor, local_tensor
 
 # Above this a perturbation is no longer the size of float32 round-off (unit round-off 6e-8): the
 # key would then measure something other than what the parity tests derive their tolerances from.
@@ -60,7 +60,7 @@ def perturb_gradients(params, *, relative: float, seed: int, draw: int, step: in
     for p in params:
         if p.grad is None:
             continue
-        grad = p.grad.to_local() if is_dtensor(p.grad) else p.grad  # one rank: the whole tensor
+        grad = local_tensor(p.grad)  # one rank: the whole tensor
         noise = torch.randn(grad.shape, generator=generator, dtype=torch.float32).to(grad.device)
         scale = grad.float().square().mean().sqrt() * relative
         grad.add_((noise * scale * (grad != 0)).to(grad.dtype))

@@ -26,7 +26,7 @@ import math
 import torch
 from torch import nn
 
-from parallel3d.base import ConfigError, is_dtensor
+from parallel3d.base import ConfigError, local_tensor
 from parallel3d.optim.adamw import implementation_flags, named_decay_groups
 from parallel3d.optim.orthogonalise import SharedNewtonSchulz
 
@@ -144,7 +144,7 @@ def _momentum_update(grad: torch.Tensor, buf: torch.Tensor, group: dict) -> torc
     """The momentum step on this rank's shard, in torch.optim.Muon's order of operations, and the
     update Newton–Schulz takes, cast to bfloat16 (its first step casts to it anyway: the exchange
     moves half the bytes for the same result)."""
-    local_grad, local_buf = _local(grad), _local(buf)
+    local_grad, local_buf = local_tensor(grad), local_tensor(buf)
     momentum = group["momentum"]
     local_buf.lerp_(local_grad, 1 - momentum)
     update = local_grad.lerp(local_buf, momentum) if group["nesterov"] else local_buf
@@ -153,14 +153,10 @@ def _momentum_update(grad: torch.Tensor, buf: torch.Tensor, group: dict) -> torc
 
 def _apply_update(param: torch.Tensor, ortho: torch.Tensor, group: dict) -> None:
     """Decoupled weight decay and the orthogonalised update, on this rank's shard."""
-    local_param, lr = _local(param), group["lr"]
+    local_param, lr = local_tensor(param), group["lr"]
     adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:])
     local_param.mul_(1 - lr * group["weight_decay"])
     local_param.add_(ortho, alpha=-adjusted_lr)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel3d.base import is_dtensor
+from parallel3d.base import is_dtensor, local_tensor
 from parallel3d.config.schema import ModelConfig
 from parallel3d.models import Transformer
 
@@ -280,7 +280,7 @@ class TiedEmbeddings:
         for p in self.params:  # under tp the embedding's gradient comes back replicated: shard it like p
             if is_dtensor(p.grad) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(placements=p.placements)
-        local = [(p.grad.to_local() if is_dtensor(p.grad) else p.grad) for p in self.params]
+        local = [local_tensor(p.grad) for p in self.params]
         total = local[0] if len(local) == 1 else local[0] + local[1]
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
