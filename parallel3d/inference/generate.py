@@ -120,7 +120,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], *, max_new_toke
     longest, each row with its own positions and blind to the padding (models/kv_cache.py), so a
     row's ids are those it gets alone. A row stops at its first id of ``stop_ids`` (kept) or after
     ``max_new_tokens``, and leaves the batch then. ``seeds``: each row's sampling seed (default 0)."""
-    stops = torch.tensor(sorted(frozenset(stop_ids)), dtype=torch.long)
+    stops = frozenset(stop_ids)
     lengths = [len(p) for p in prompts]
     for length in lengths:
         if not length:
@@ -140,9 +140,10 @@ def generate_batch(model: Transformer, prompts: list[list[int]], *, max_new_toke
     for _ in range(max_new_tokens):
         tokens = next_tokens(logits, temperature=temperature, top_p=top_p,
                              generators=None if generators is None else [generators[r] for r in rows])
-        for row, token in zip(rows.tolist(), tokens.tolist()):
+        new = tokens.tolist()  # the step's one copy to the host
+        for row, token in zip(rows.tolist(), new):
             out[row].append(token)
-        going = ~torch.isin(tokens.cpu(), stops)
+        going = torch.tensor([token not in stops for token in new])
         if not going.all():  # finished rows leave the batch (and the cache)
             if not going.any():
                 break
