@@ -28,7 +28,7 @@ from parallel3d.data.sources import DataError, Shard, documents
 from parallel3d.data.tokenizer import tokenizer_hash
 from parallel3d.progress import Progress
 
-FORMAT = 2  # bump when the token layout changes (BOS/EOS placement, held-out rule)
+FORMAT = 3  # bump when the token layout changes (BOS/EOS placement, held-out rule, row flags)
 
 
 @dataclass(frozen=True)
