@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from harness.parity import PARITY_STEPS, SAVE_EVERY, assert_matches, layouts, prefetch_selected
+from harness.parity import PARITY_STEPS, SAVE_EVERY, Matrix, assert_matches, layouts, prefetch_selected
 from harness.runs import RUN_TIMEOUT_S, env, relative_error
 from harness.tolerance import ONE_PASS
 
@@ -79,8 +79,8 @@ def document_overrides(token_files) -> list[str]:
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request, token_files):
     """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS, prefix="documents-",
-                      extra=document_overrides(token_files))
+    prefetch_selected(request, parity, Matrix(tuple(LAYOUTS), prefix="documents-",
+                                             extra=tuple(document_overrides(token_files))))
 
 
 def reference(token_files) -> tuple[str, list[str]]:

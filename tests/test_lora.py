@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from harness.parity import PARITY_STEPS, SAVE_EVERY, assert_matches, layouts, prefetch_selected
+from harness.parity import PARITY_STEPS, SAVE_EVERY, Matrix, assert_matches, layouts, prefetch_selected
 from safetensors.torch import load_file, save_file
 
 from parallel3d.base import ConfigError
@@ -27,6 +27,7 @@ LAYOUTS = layouts({
     "dp2_cp2_zero3": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=3"]),
     "dp2_pp2_zbv": (4, ["parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"]),
 })
+MATRIX = Matrix(tuple(LAYOUTS), prefix="lora-", extra=tuple(LORA))  # lent to other files' batches (harness/parity.py)
 
 
 REFERENCE = ("lora-reference", [*LORA, "train.micro_batch_size=16"])  # one process (and its twins)
@@ -90,7 +91,7 @@ def test_refusals(overrides, key):
 def test_layouts_equal_one_process(request, parity, lora_reference, lora_tolerance, layout):
     """Losses, grad norms and final weights (adapters included) of each layout equal one process's;
     ``parity.run`` also holds each run's measured model-state bytes to the planner's."""
-    prefetch_selected(request, parity, LAYOUTS, prefix="lora-", extra=LORA)
+    prefetch_selected(request, parity, MATRIX)
     assert_matches(lora_reference, parity.train(layout, prefix="lora-", extra=LORA), tolerance=lora_tolerance,
                    weights=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness.parity import layouts, prefetch_selected
+from harness.parity import Matrix, layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -27,12 +27,13 @@ LAYOUTS = layouts({
     "dp2-zero3-compile": (2, ["parallel.zero_stage=3", "model.compile=true", "train.micro_batch_size=8"]),
     "pp2-compile": (2, ["parallel.pp=2", "model.compile=true", "train.micro_batch_size=2"]),
 })
+MATRIX = Matrix(tuple(LAYOUTS))  # lent to other files' batches (harness/parity.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS)
+    prefetch_selected(request, parity, MATRIX)
 
 
 @pytest.mark.multirank

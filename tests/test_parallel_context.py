@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness.parity import layouts, prefetch_selected
+from harness.parity import Matrix, layouts, prefetch_selected
 
 from parallel3d.parallel.context import ContextParallelAttention, local_attention, shard_positions, shard_sequence
 
@@ -98,12 +98,13 @@ LAYOUTS = layouts({
     "dp2-cp2-zero3-alltoall": (4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero_stage=3",
                                    "parallel.cp_method=alltoall", "train.micro_batch_size=4"]),
 })
+MATRIX = Matrix(tuple(LAYOUTS))  # lent to other files' batches (harness/parity.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS)
+    prefetch_selected(request, parity, MATRIX)
 
 
 @pytest.mark.multirank

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness.parity import layouts, prefetch_selected
+from harness.parity import Matrix, layouts, prefetch_selected
 from harness.runs import final_weights
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
@@ -37,6 +37,7 @@ LAYOUTS = layouts({
     "dp2-zero3-sizewrap": (2, ["parallel.zero_stage=3", "parallel.fsdp_wrap=size", "parallel.fsdp_min_params=100000",
                                "train.micro_batch_size=8"]),
 })
+MATRIX = Matrix(tuple(LAYOUTS), param="layout_run")  # lent to other files' batches (harness/parity.py)
 
 @pytest.fixture
 def fake_world():
@@ -66,7 +67,7 @@ def test_wrap_policy_decides_the_fsdp_units(fake_world, wrap, units):
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS, param="layout_run")
+    prefetch_selected(request, parity, MATRIX)
 
 
 @pytest.fixture(params=LAYOUTS, ids=str)

@@ -6,7 +6,7 @@ and ep2 x cp2 borrow the tp and cp ranks for ep (parallel/expert.py)."""
 from __future__ import annotations
 
 import pytest
-from harness.parity import PARITY_STEPS, assert_matches, layouts, prefetch_selected
+from harness.parity import PARITY_STEPS, Matrix, assert_matches, layouts, prefetch_selected
 from harness.runs import FAST, final_weights, launch, relative_error
 from harness.tolerance import ONE_PASS
 
@@ -33,13 +33,14 @@ LAYOUTS = layouts({  # name: (ranks, overrides)
     # ep borrows the cp ranks: the aux loss adds up each sequence's counts over cp (dp2)
     "ep2-cp2-dp2-zero3": (4, ["parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=3", "train.micro_batch_size=8"]),
 })
+MATRIX = Matrix(tuple(LAYOUTS), prefix="moe-", extra=tuple(MOE))  # lent to other files' batches (harness/parity.py)
 SAVING = next(layout for layout in LAYOUTS if layout.name == "ep2-dp4-zero2")  # saves every 4 steps
 
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS, prefix="moe-", extra=MOE)
+    prefetch_selected(request, parity, MATRIX)
 
 
 REFERENCE = ("moe-reference", [*MOE, "train.micro_batch_size=16"])  # one process (and its twins)

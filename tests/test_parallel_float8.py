@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchao.float8  # noqa: F401  (pyproject's dev extra: missing, this file fails, not skips)
-from harness.parity import assert_matches, layouts, prefetch_selected
+from harness.parity import Matrix, assert_matches, layouts, prefetch_selected
 from harness.runs import relative_error
 from omegaconf import OmegaConf
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -189,12 +189,13 @@ LAYOUTS = layouts({
     "float8-tp2": (2, [*FLOAT8, "parallel.tp=2", "train.micro_batch_size=16"]),
     "float8-pp2": (2, [*FLOAT8, "parallel.pp=2", "train.micro_batch_size=2"]),  # each stage converts its blocks
 })
+MATRIX = Matrix(tuple(LAYOUTS))  # lent to other files' batches (harness/parity.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS)
+    prefetch_selected(request, parity, MATRIX)
 
 
 @pytest.mark.multirank

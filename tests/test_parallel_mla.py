@@ -6,7 +6,7 @@ ranks trains them all (tests/harness/layout_batch.py)."""
 from __future__ import annotations
 
 import pytest
-from harness.parity import assert_matches, layouts, prefetch_selected
+from harness.parity import Matrix, assert_matches, layouts, prefetch_selected
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
@@ -26,11 +26,12 @@ LAYOUTS = layouts({  # name: (ranks, overrides)
     "dp2-cp2-ring": (4, ["parallel.cp=2", "parallel.cp_method=ring", "train.micro_batch_size=8"]),
     "ep2-dp4": (4, ["parallel.ep=2", "train.micro_batch_size=2"]),  # accumulating, as at dp2
 })
+MATRIX = Matrix(tuple(LAYOUTS), prefix="mla-", extra=tuple(MLA))  # lent to other files' batches (harness/parity.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
-    prefetch_selected(request, parity, LAYOUTS, prefix="mla-", extra=MLA)
+    prefetch_selected(request, parity, MATRIX)
 
 
 @pytest.mark.multirank

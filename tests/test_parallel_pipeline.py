@@ -5,7 +5,7 @@ every ZeRO stage: tests/test_parallel_pipeline_zero.py.)"""
 from __future__ import annotations
 
 import pytest
-from harness.parity import FULL_3D, SAVE_EVERY, layouts, prefetch_selected
+from harness.parity import FULL_3D, SAVE_EVERY, Matrix, layouts, prefetch_selected
 
 from parallel3d.base import ConfigError
 from parallel3d.config.compose import compose
@@ -45,12 +45,13 @@ TIED = layouts({
     "dp2-pp2-zero3-tied": (4, ["parallel.pp=2", "parallel.zero_stage=3", *TIED_OVERRIDES], True),
     "tp2-pp2-tied": (4, ["parallel.pp=2", "parallel.tp=2", *TIED_OVERRIDES], True),
 })
+MATRIX = Matrix(tuple(LAYOUTS + TIED))  # lent to other files' batches (harness/parity.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS + TIED)
+    prefetch_selected(request, parity, MATRIX)
 
 
 @pytest.mark.multirank

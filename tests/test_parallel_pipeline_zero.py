@@ -10,19 +10,20 @@ matrices can run side by side under pytest-xdist."""
 from __future__ import annotations
 
 import pytest
-from harness.parity import layouts, prefetch_selected
+from harness.parity import Matrix, layouts, prefetch_selected
 
 from parallel3d.parallel.pipeline import SCHEDULES
 
 LAYOUTS = layouts({f"dp2-pp2-{s}-zero{z}": (4, ["parallel.pp=2", f"parallel.pp_schedule={s}",
                                                 f"parallel.zero_stage={z}", "train.micro_batch_size=2"])
                    for s in SCHEDULES for z in range(4) if z in (0, 3) or s == "1F1B"})
+MATRIX = Matrix(tuple(LAYOUTS))  # lent to other files' batches (harness/parity.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS)
+    prefetch_selected(request, parity, MATRIX)
 
 
 @pytest.mark.multirank

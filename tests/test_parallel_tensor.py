@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness.parity import layouts, prefetch_selected
+from harness.parity import Matrix, layouts, prefetch_selected
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -27,12 +27,13 @@ LAYOUTS = layouts({
     "hsdp2x2-tp2-zero3": (8, ["parallel.tp=2", "parallel.dp_replicate=2", "parallel.zero_stage=3",
                               "train.micro_batch_size=4"], False),
 })
+MATRIX = Matrix(tuple(LAYOUTS))  # lent to other files' batches (harness/parity.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
-    prefetch_selected(request, parity, LAYOUTS)
+    prefetch_selected(request, parity, MATRIX)
 
 
 @pytest.mark.multirank

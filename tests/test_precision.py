@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness.parity import assert_matches, layouts, prefetch_selected, selected_params
+from harness.parity import Matrix, assert_matches, layouts, prefetch_selected, selected_params
 from omegaconf import OmegaConf
 from harness.tolerance import measure
 from torch.distributed.fsdp import FSDPModule
@@ -43,6 +43,7 @@ TABLE = {  # name: (ranks, overrides); the largest micro batch each layout allow
     "bf16-tp2": (2, [*BF16, "parallel.tp=2", "train.micro_batch_size=16"]),
 }
 LAYOUTS = layouts(TABLE)
+MATRIX = Matrix(tuple(LAYOUTS))  # lent to other files' batches (harness/parity.py)
 # micro batch size: the one-process run. Each layout is held to one process computing the same
 # shapes: on CPUs whose bf16 matmul kernels block their float32 sums by the matrix shape, dp2 at
 # ZeRO-0 equals one process at its micro batch bit for bit.
@@ -60,7 +61,7 @@ def batched(parity, request):
     selected (-k, -m fast: only the in-process tests)."""
     if not selected_params(request, "layout"):
         return
-    prefetch_selected(request, parity, LAYOUTS)
+    prefetch_selected(request, parity, MATRIX)
     (m, name), *others = REFERENCES.items()
     parity.prefetch_references({name: reference_overrides(m)},
                                {other: reference_overrides(size) for size, other in others})

@@ -62,19 +62,42 @@ def assert_matches(reference: Run, run: Run, *, tolerance: Tolerance | float,
         assert error <= limit, f"{run.run_dir.name} {key} {error:.3g} > {why}"
 
 
-def selected_params(request, param: str = "name") -> set:
-    """The values of ``param`` in this module's tests that pytest will run (after -k, --lf, ...)."""
+def selected_params(request, param: str = "name", module=None) -> set:
+    """The values of ``param`` in ``module``'s tests (this module's by default) that pytest will run
+    (after -k, --lf, ...)."""
+    module = module or request.module
     return {item.callspec.params[param] for item in request.session.items
-            if item.module is request.module and param in getattr(getattr(item, "callspec", None), "params", {})}
+            if item.module is module and param in getattr(getattr(item, "callspec", None), "params", {})}
 
 
-def prefetch_selected(request, parity: Parity, layouts: list[Layout], param: str = "layout", prefix: str = "",
-                      extra: list[str] = ()) -> None:
-    """Batch the layouts of this module's tests that will run (those whose ``param``, a Layout or
-    its name, is selected); the runs are named ``prefix + name`` with ``extra`` overrides first."""
-    wanted = {str(value) for value in selected_params(request, param)}
-    parity.prefetch({prefix + layout.name: (layout.nproc, [*extra, *layout.overrides])
-                     for layout in layouts if layout.name in wanted})
+@dataclass(frozen=True)
+class Matrix:
+    """A file's parity layouts as its tests train them: layout ``name`` is the run ``prefix + name``,
+    ``extra`` overrides first; ``param``: the test parameter (a Layout or its name) that selects
+    one. A file that names its matrix ``MATRIX`` lends it to the session: a batch another file
+    launches with room left takes this file's selected layouts along (``prefetch_selected``)."""
+
+    layouts: tuple[Layout, ...]
+    param: str = "layout"
+    prefix: str = ""
+    extra: tuple[str, ...] = ()
+
+    def selected(self, request, module=None) -> dict[str, tuple[int, list[str]]]:
+        wanted = {str(value) for value in selected_params(request, self.param, module)}
+        return {self.prefix + layout.name: (layout.nproc, [*self.extra, *layout.overrides])
+                for layout in self.layouts if layout.name in wanted}
+
+
+def prefetch_selected(request, parity: Parity, matrix: Matrix) -> None:
+    """Batch the layouts of this module's tests that will run, filling each batch's spare room
+    with other files' selected layouts of the same rank count (their ``MATRIX``), so that fewer
+    launches pay torchrun's and the ranks' start-up."""
+    spare = {}
+    for module in dict.fromkeys(item.module for item in request.session.items):
+        other = getattr(module, "MATRIX", None)
+        if module is not request.module and isinstance(other, Matrix):
+            spare |= {name: spec for name, spec in other.selected(request, module).items() if name not in spare}
+    parity.prefetch(matrix.selected(request), spare)
 
 
 class Parity:
@@ -109,11 +132,14 @@ class Parity:
         """``layout``'s run (named ``prefix + name``, ``extra`` overrides first), checked as ``run`` does."""
         return self.run(prefix + layout.name, layout.nproc, [*extra, *layout.overrides])
 
-    def prefetch(self, layouts: dict[str, tuple[int, list[str]]]) -> None:
-        """Train the layouts no test of the session ran yet, a few per launch (tests/harness/store.py);
-        ``run`` then reads them."""
+    def prefetch(self, layouts: dict[str, tuple[int, list[str]]],
+                 spare: dict[str, tuple[int, list[str]]] | None = None) -> None:
+        """Train the layouts no test of the session ran yet, a few per launch (tests/harness/store.py),
+        with ``spare`` ones in the room left (``RunStore.get``); ``run`` then reads them."""
         wanted = {name: (n, self.arguments(o)) for name, (n, o) in layouts.items()}
-        records = self.store.get({name: spec for name, spec in wanted.items() if run_key(*spec) not in self.runs})
+        spare = {name: (n, self.arguments(o)) for name, (n, o) in (spare or {}).items()}
+        records = self.store.get({name: spec for name, spec in wanted.items() if run_key(*spec) not in self.runs},
+                                 spare)
         self.runs |= {run_key(*wanted[name]): Run.from_record(record) for name, record in records.items()}
 
     @staticmethod

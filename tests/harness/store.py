@@ -56,18 +56,40 @@ class RunStore:
         path = self.root / f"{key}.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    def get(self, wanted: Wanted) -> dict[str, dict]:
+    def get(self, wanted: Wanted, spare: Wanted | None = None) -> dict[str, dict]:
+        """``spare``: runs other tests will want (other files' parity matrices), trained now in the
+        room this call's last batch of each rank count leaves, so that they need no launch of their
+        own; never waited for, and not returned."""
         keys = {name: run_key(nproc, overrides) for name, (nproc, overrides) in wanted.items()}
         found = {name: self.record(key) for name, key in keys.items()}
         missing = {name: wanted[name] for name, record in found.items() if record is None}
         with contextlib.ExitStack() as held:
             mine = {name: spec for name, spec in missing.items() if self._try_lock(held, keys[name])}
             theirs = {name: spec for name, spec in missing.items() if name not in mine}
-            found |= self._train({name: spec for name, spec in mine.items() if self.record(keys[name]) is None}, keys)
+            mine = {name: spec for name, spec in mine.items() if self.record(keys[name]) is None}
+            extra = self._take_spare(held, mine, spare or {}, keys)
+            found |= self._train(mine | extra, keys)
         for name, spec in theirs.items():  # another worker trains these: wait for it to finish
             with self._lock(keys[name]):
                 found[name] = self.record(keys[name]) or self._train({name: spec}, keys)[name]
         return {name: found[name] or self.record(keys[name]) for name in wanted}
+
+    def _take_spare(self, held: contextlib.ExitStack, mine: Wanted, spare: Wanted, keys: dict[str, str]) -> Wanted:
+        """The spare runs that fill this call's batches: of a rank count it trains, up to the room
+        its last batch leaves, untrained and not locked by another worker (their keys join ``keys``)."""
+        room = {}
+        for nproc, _ in mine.values():
+            room[nproc] = room.get(nproc, 0) - 1
+        room = {nproc: count % self.batch_size for nproc, count in room.items()}
+        taken: Wanted = {}
+        for name, (nproc, overrides) in spare.items():
+            key = run_key(nproc, overrides)
+            if room.get(nproc, 0) == 0 or name in keys or key in keys.values() or self.record(key) is not None:
+                continue
+            if self._try_lock(held, key) and self.record(key) is None:
+                taken[name], keys[name] = (nproc, overrides), key
+                room[nproc] -= 1
+        return taken
 
     def _train(self, runs: Wanted, keys: dict[str, str]) -> dict[str, dict]:
         """Train ``runs`` (locked by this worker) in batches of one rank count, each failed one again
