@@ -19,18 +19,21 @@ CONTRACT = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "max_mem
 SHORT = ["train.steps=3", "optim.warmup_steps=1"]
 # One-process runs whose claims are about the training loop, not its command line: the session's run
 # store (tests/harness/store.py) trains the selected ones in one launch, which pays a rank's start-up
-# once for all of them. name: (the test that reads it, overrides)
+# once for all of them. name: (the tests that read it, overrides)
+RERUN_READERS = ("test_a_new_run_in_an_old_run_dir_starts_a_fresh_record",
+                 "test_a_literal_run_dir_is_also_hydras_output_dir")
 ONE_PROCESS = {
-    **{f"zero{stage}": ("test_one_process_trains_alike_at_every_zero_stage",
+    **{f"zero{stage}": (("test_one_process_trains_alike_at_every_zero_stage",),
                         [*FAST, f"train.steps={PARITY_STEPS}", f"parallel.zero_stage={stage}",
                          "train.micro_batch_size=4"]) for stage in (0, 1)},
-    "wsd": ("test_log_every_and_wsd_schedule", [*FAST, "optim=adamw_wsd", "logging.log_every=4"]),
-    "timing": ("test_step_time_covers_the_steps_since_the_last_log", [*FAST, "train.steps=5", "logging.log_every=3"]),
-    "old-record": ("test_a_new_run_in_an_old_run_dir_starts_a_fresh_record", [*FAST, "train.steps=2"]),
+    "wsd": (("test_log_every_and_wsd_schedule",), [*FAST, "optim=adamw_wsd", "logging.log_every=4"]),
+    "timing": (("test_step_time_covers_the_steps_since_the_last_log",),
+               [*FAST, "train.steps=5", "logging.log_every=3"]),
+    "old-record": (RERUN_READERS, [*FAST, "train.steps=2"]),
     # the default recipe, short, and its twins (the tolerance they imply): what the 3d recipe must match
-    **{name: ("test_3d_recipe_trains_like_the_default_recipe", overrides)
+    **{name: (("test_3d_recipe_trains_like_the_default_recipe",), overrides)
        for name, overrides in {"default": SHORT, **twins("default", SHORT)}.items()},
-    "bf16-wandb": ("test_bfloat16_one_process_and_offline_wandb",
+    "bf16-wandb": (("test_bfloat16_one_process_and_offline_wandb",),
                    [*FAST, "train.steps=3", "train.param_dtype=bfloat16", "logging=wandb"]),
 }
 
@@ -39,8 +42,17 @@ ONE_PROCESS = {
 def one_process(run_store, request) -> dict[str, Run]:
     """The ONE_PROCESS runs of the tests that will run (after -k, --lf, ...), read-only."""
     selected = {item.originalname for item in request.session.items if item.module is request.module}
-    wanted = {name: (1, overrides) for name, (test, overrides) in ONE_PROCESS.items() if test in selected}
+    wanted = {name: (1, overrides) for name, (tests, overrides) in ONE_PROCESS.items() if selected & set(tests)}
     return {name: Run.from_record(record) for name, record in run_store.get(wanted).items()}
+
+
+@pytest.fixture(scope="module")
+def rerun(tmp_path_factory, one_process) -> Run:
+    """The command line, with a literal run_dir, training the same run again in a copy of the folder
+    its first run wrote (the store's runs are read-only), alone in its working directory."""
+    old = shutil.copytree(one_process["old-record"].run_dir, tmp_path_factory.mktemp("rerun") / "again")
+    assert [r["step"] for r in Run(old, 0, "", "").metrics] == [1, 2]
+    return launch(old, [*FAST, "train.steps=2"])
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +170,8 @@ def test_step_time_covers_the_steps_since_the_last_log(one_process):
         assert row["step_time_min_s"] == row["step_time_max_s"] <= row["step_time_s"] and row["slowest_rank"] == 0
 
 
-def test_a_new_run_in_an_old_run_dir_starts_a_fresh_record(tmp_path, one_process):
-    # the same run again, in a copy of the folder it wrote (the store's runs are read-only)
-    old = shutil.copytree(one_process["old-record"].run_dir, tmp_path / "again")
-    assert [r["step"] for r in Run(old, 0, "", "").metrics] == [1, 2]
-    run = launch(old, [*FAST, "train.steps=2"])
-    assert [r["step"] for r in run.metrics] == [1, 2]
+def test_a_new_run_in_an_old_run_dir_starts_a_fresh_record(rerun):
+    assert [r["step"] for r in rerun.metrics] == [1, 2]  # the old record's steps 1 and 2 are gone
 
 
 @pytest.mark.multirank
@@ -180,7 +188,7 @@ def test_3d_recipe_trains_like_the_default_recipe(tmp_path, one_process):
         assert three_d.stderr.count(warning) == 1, three_d.stderr[-3000:]
 
 
-def test_a_literal_run_dir_is_also_hydras_output_dir(tmp_path):
+def test_a_literal_run_dir_is_also_hydras_output_dir(tmp_path, rerun):
     """No empty outputs/DATE/TIME folder beside a run that names its run_dir."""
     from parallel3d.train import output_dir_is_run_dir
 
@@ -189,9 +197,8 @@ def test_a_literal_run_dir_is_also_hydras_output_dir(tmp_path):
     for kept in (["train.py", "run_dir=${oc.env:X}"], ["train.py", "run_dir=a", "hydra.run.dir=b"],
                  ["train.py", "--multirun", "run_dir=a"], ["train.py", "train.steps=2"]):
         assert output_dir_is_run_dir(kept) == kept
-    run = launch(tmp_path / "r", [*FAST, "train.steps=2", "optim.warmup_steps=1"])
-    run.assert_finished(2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    rerun.assert_finished(2)
+    assert sorted(p.name for p in rerun.run_dir.parent.iterdir()) == ["again"]
 
 
 @pytest.mark.multirank
