@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness.runs import FAST, STEPS, Run, env, launch, relative_error
+from harness.store import RunStore
 from omegaconf import OmegaConf
 from harness.tolerance import ONE_PASS
 from safetensors import safe_open
@@ -51,17 +52,20 @@ def model_config(overrides: list[str]) -> ModelConfig:
 
 
 class Models:
-    """Each tiny model trained once (checkpoint at step 10), exported once per (dtype, shard size)."""
+    """Each tiny model trained once (checkpoint at step 10), exported once per (dtype, shard size).
+    The models train together, in one launch of the session's run store (tests/harness/store.py):
+    one start-up for the three; their run folders are read-only here (exports go to ``root``)."""
 
-    def __init__(self, root: Path):
-        self.root, self.runs, self.exports = root, {}, {}
+    def __init__(self, root: Path, store: RunStore):
+        self.root, self.store, self.runs, self.exports = root, store, {}, {}
         root.mkdir(parents=True, exist_ok=True)
 
     def run(self, name: str) -> Run:
         if name not in self.runs:
-            run = launch(self.root / name, [*FAST, "checkpoint.every=10", *MODELS[name]])
-            run.assert_finished(STEPS)
-            self.runs[name] = run
+            wanted = {n: (1, [*FAST, "checkpoint.every=10", *o]) for n, o in MODELS.items() if n not in self.runs}
+            records = self.store.get(wanted)
+            self.runs[name] = Run.from_record(records[name])
+            self.runs[name].assert_finished(STEPS)
         return self.runs[name]
 
     def export(self, name: str, dtype: str = "float32", max_shard_size: str = "5GB") -> Path:
@@ -78,8 +82,8 @@ class Models:
 
 
 @pytest.fixture(scope="module")
-def models(runs_root) -> Models:
-    return Models(runs_root / "hf")
+def models(runs_root, run_store) -> Models:
+    return Models(runs_root / "hf", run_store)
 
 
 def fresh_model(cfg: ModelConfig, seed: int = 1) -> Transformer:

@@ -3,17 +3,56 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 import yaml
 from harness.parity import PARITY_STEPS, assert_matches
-from harness.runs import FAST, STEPS, Run, env, launch, launch_measured, relative_error
+from harness.runs import FAST, STEPS, Run, env, launch, relative_error
+from harness.tolerance import measure, twins
 
 from parallel3d.optim.schedule import lr_factor
 
 CONTRACT = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "max_memory_bytes"}
+SHORT = ["train.steps=3", "optim.warmup_steps=1"]
+# One-process runs whose claims are about the training loop, not its command line: the session's run
+# store (tests/harness/store.py) trains the selected ones in one launch, which pays a rank's start-up
+# once for all of them. name: (the tests that read it, overrides)
+RERUN_READERS = ("test_a_new_run_in_an_old_run_dir_starts_a_fresh_record",
+                 "test_a_literal_run_dir_is_also_hydras_output_dir")
+ONE_PROCESS = {
+    **{f"zero{stage}": (("test_one_process_trains_alike_at_every_zero_stage",),
+                        [*FAST, f"train.steps={PARITY_STEPS}", f"parallel.zero_stage={stage}",
+                         "train.micro_batch_size=4"]) for stage in (0, 1)},
+    "wsd": (("test_log_every_and_wsd_schedule",), [*FAST, "optim=adamw_wsd", "logging.log_every=4"]),
+    "timing": (("test_step_time_covers_the_steps_since_the_last_log",),
+               [*FAST, "train.steps=5", "logging.log_every=3"]),
+    "old-record": (RERUN_READERS, [*FAST, "train.steps=2"]),
+    # the default recipe, short, and its twins (the tolerance they imply): what the 3d recipe must match
+    **{name: (("test_3d_recipe_trains_like_the_default_recipe",), overrides)
+       for name, overrides in {"default": SHORT, **twins("default", SHORT)}.items()},
+    "bf16-wandb": (("test_bfloat16_one_process_and_offline_wandb",),
+                   [*FAST, "train.steps=3", "train.param_dtype=bfloat16", "logging=wandb"]),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(run_store, request) -> dict[str, Run]:
+    """The ONE_PROCESS runs of the tests that will run (after -k, --lf, ...), read-only."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    wanted = {name: (1, overrides) for name, (tests, overrides) in ONE_PROCESS.items() if selected & set(tests)}
+    return {name: Run.from_record(record) for name, record in run_store.get(wanted).items()}
+
+
+@pytest.fixture(scope="module")
+def rerun(tmp_path_factory, one_process) -> Run:
+    """The command line, with a literal run_dir, training the same run again in a copy of the folder
+    its first run wrote (the store's runs are read-only), alone in its working directory."""
+    old = shutil.copytree(one_process["old-record"].run_dir, tmp_path_factory.mktemp("rerun") / "again")
+    assert [r["step"] for r in Run(old, 0, "", "").metrics] == [1, 2]
+    return launch(old, [*FAST, "train.steps=2"])
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +110,17 @@ def test_divergence_stops_with_the_step(tmp_path):
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
-def test_one_process_trains_alike_at_every_zero_stage(tmp_path, parity, zero_stage):
+def test_one_process_trains_alike_at_every_zero_stage(one_process, parity, zero_stage):
     """Without data parallelism a ZeRO stage has nothing to shard or reduce: accumulating micro
     batches trains as the default single process does (another order of the same sums: within the
     tolerance its sensitivity implies, tests/harness/tolerance.py)."""
-    run = launch(tmp_path / f"zero{zero_stage}", [*FAST, f"train.steps={PARITY_STEPS}", f"parallel.zero_stage={zero_stage}",
-                                                   "train.micro_batch_size=4"])
+    run = one_process[f"zero{zero_stage}"]
     run.assert_finished(PARITY_STEPS)
     assert_matches(parity.reference(), run, tolerance=parity.tolerance(), metrics=("loss",))
 
 
-def test_log_every_and_wsd_schedule(tmp_path):
-    run = launch(tmp_path / "wsd", [*FAST, "optim=adamw_wsd", "logging.log_every=4"])
+def test_log_every_and_wsd_schedule(one_process):
+    run = one_process["wsd"]
     run.assert_finished(STEPS)
     assert [r["step"] for r in run.metrics] == [4, 8, STEPS]  # and always the last step
     expected = [3e-3 * lr_factor(s - 1, steps=STEPS, warmup=2, schedule="wsd", min_ratio=0.0, decay_fraction=0.2)
@@ -103,8 +141,8 @@ def test_hydra_multirun_gives_each_job_its_run_dir(tmp_path):
     assert lrs == {"0": 1e-3, "1": 2e-3}
 
 
-def test_bfloat16_one_process_and_offline_wandb(tmp_path):
-    run = launch(tmp_path / "bf16", [*FAST, "train.steps=3", "train.param_dtype=bfloat16", "logging=wandb"])
+def test_bfloat16_one_process_and_offline_wandb(one_process):
+    run = one_process["bf16-wandb"]
     run.assert_finished(3)
     assert all(r["loss"] < 7 for r in run.metrics)
     assert list((run.run_dir / "wandb").glob("offline-run-*/run-*.wandb")), list(run.run_dir.rglob("*"))
@@ -121,8 +159,8 @@ def test_launcher_runs_torchrun_with_mixed_precision_fsdp(tmp_path, reference_ru
     assert yaml.safe_load((run.run_dir / "config.yaml").read_text())["parallel"]["dp_shard"] == 2
 
 
-def test_step_time_covers_the_steps_since_the_last_log(tmp_path):
-    run = launch(tmp_path / "timing", [*FAST, "train.steps=5", "logging.log_every=3"])
+def test_step_time_covers_the_steps_since_the_last_log(one_process):
+    run = one_process["timing"]
     run.assert_finished(5)
     first, last = run.metrics  # steps 3 (three steps timed) and 5 (two steps)
     for row, steps in ((first, 3), (last, 2)):
@@ -132,17 +170,17 @@ def test_step_time_covers_the_steps_since_the_last_log(tmp_path):
         assert row["step_time_min_s"] == row["step_time_max_s"] <= row["step_time_s"] and row["slowest_rank"] == 0
 
 
-def test_a_new_run_in_an_old_run_dir_starts_a_fresh_record(tmp_path):
-    for _ in range(2):
-        run = launch(tmp_path / "again", [*FAST, "train.steps=2"])
-    assert [r["step"] for r in run.metrics] == [1, 2]
+def test_a_new_run_in_an_old_run_dir_starts_a_fresh_record(rerun):
+    assert [r["step"] for r in rerun.metrics] == [1, 2]  # the old record's steps 1 and 2 are gone
 
 
 @pytest.mark.multirank
-def test_3d_recipe_trains_like_the_default_recipe(tmp_path):
-    short = ["train.steps=3", "optim.warmup_steps=1"]
-    single, tolerance = launch_measured(tmp_path, short, 3, name="default", metrics=("loss",), weights=False)
-    three_d = launch(tmp_path / "3d", ["recipe=tiny_cpu_3d", *short], nproc=8, launcher="parallel3d-run")
+def test_3d_recipe_trains_like_the_default_recipe(tmp_path, one_process):
+    single, *perturbed = (one_process[name] for name in ("default", *twins("default", SHORT)))
+    for run in (single, *perturbed):
+        run.assert_finished(3)
+    tolerance = measure(single, *perturbed, metrics=("loss",), weights=False)
+    three_d = launch(tmp_path / "3d", ["recipe=tiny_cpu_3d", *SHORT], nproc=8, launcher="parallel3d-run")
     three_d.assert_finished(3)
     assert_matches(single, three_d, tolerance=tolerance, metrics=("loss",))
     # torch logs these on every rank; the ranks but 0 send them to their log files (warnings_to_log)
@@ -150,7 +188,7 @@ def test_3d_recipe_trains_like_the_default_recipe(tmp_path):
         assert three_d.stderr.count(warning) == 1, three_d.stderr[-3000:]
 
 
-def test_a_literal_run_dir_is_also_hydras_output_dir(tmp_path):
+def test_a_literal_run_dir_is_also_hydras_output_dir(tmp_path, rerun):
     """No empty outputs/DATE/TIME folder beside a run that names its run_dir."""
     from parallel3d.train import output_dir_is_run_dir
 
@@ -159,9 +197,8 @@ def test_a_literal_run_dir_is_also_hydras_output_dir(tmp_path):
     for kept in (["train.py", "run_dir=${oc.env:X}"], ["train.py", "run_dir=a", "hydra.run.dir=b"],
                  ["train.py", "--multirun", "run_dir=a"], ["train.py", "train.steps=2"]):
         assert output_dir_is_run_dir(kept) == kept
-    run = launch(tmp_path / "r", [*FAST, "train.steps=2", "optim.warmup_steps=1"])
-    run.assert_finished(2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    rerun.assert_finished(2)
+    assert sorted(p.name for p in rerun.run_dir.parent.iterdir()) == ["again"]
 
 
 @pytest.mark.multirank
