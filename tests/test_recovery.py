@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.runs import Run, env, launch
+from harness.runs import Run, env
+from harness.shared_runs import shared_runs
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -35,6 +36,9 @@ RUN = [f"train.steps={STEPS}", "optim.warmup_steps=2", "train.seq_len=32", "trai
        f"checkpoint.every={EVERY}"]
 LAYOUTS = {"dp2": (2, ["parallel.dp_shard=2"]),  # name: (ranks, overrides)
            "dp2_pp2": (4, ["parallel.dp_shard=2", "parallel.pp=2"])}
+# The uninterrupted references, trained in launches shared with other files' runs of these rank
+# counts (tests/harness/shared_runs.py).
+SHARED = {layout: (nproc, [*RUN, *overrides]) for layout, (nproc, overrides) in LAYOUTS.items()}
 # Trials are random but repeatable: P3D_RECOVERY_SEED=N pytest ... explores other ranks and steps.
 SEED = int(os.environ.get("P3D_RECOVERY_SEED", "0"))
 JOB_TIMEOUT_S = 240
@@ -201,15 +205,13 @@ def jobs():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run of a layout, which every trial at that layout must reproduce (run once)."""
-    runs = {}
+def reference(run_store, request):
+    """The uninterrupted run of a layout, which every trial at that layout must reproduce (run once,
+    read-only: a trial compares with its folder)."""
+    runs = shared_runs(run_store, request.session, "test_recovery")
 
     def get(layout: str) -> Run:
-        if layout not in runs:
-            nproc, overrides = LAYOUTS[layout]
-            runs[layout] = launch(tmp_path_factory.mktemp("reference") / layout, [*RUN, *overrides], nproc=nproc)
-            runs[layout].assert_finished(STEPS)
+        runs[layout].assert_finished(STEPS)
         return runs[layout]
 
     return get
