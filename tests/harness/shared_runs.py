@@ -18,7 +18,7 @@ from harness.runs import Run
 from harness.store import RunStore
 
 # The files whose SHARED runs train together (module names, as pytest imports them).
-FILES = ("test_checkpoint_failures", "test_guard", "test_observability", "test_recovery")
+FILES = ("test_checkpoint", "test_checkpoint_failures", "test_guard", "test_observability", "test_recovery")
 
 
 def selected_files(session) -> list[str]:
