@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness.parity import FULL_3D, PARITY_STEPS, SAVE_EVERY, SAVING, assert_matches, selected_params
-from harness.runs import FAST, Run, launch, relative_error
+from harness.parity import FULL_3D, PARITY_STEPS, SAVE_EVERY, SAVING, assert_matches
+from harness.runs import FAST, Run, launch, launch_batch, relative_error
+from harness.shared_runs import shared_runs
 from harness.store import RunStore
 from harness.tolerance import Tolerance
 
@@ -40,6 +41,7 @@ from parallel3d.optim.schedule import build_lr_scheduler
 
 SAVE = SAVING  # what the saving runs train, also read by tests/test_launch_multinode.py
 DP2_TP2 = ["parallel.dp_shard=2", "parallel.tp=2"]
+INIT_STD = [*FAST, f"train.steps={PARITY_STEPS}", "model.init_std=0.05"]  # the seed test's direct run
 
 
 class Saved:
@@ -74,15 +76,40 @@ class Saved:
         self.runs |= {name: Run.from_record(record) for name, record in self.store.get(runs).items()}
 
 
+def selected_here(session) -> list:
+    """This file's tests that the session will run (after -k, --lf, ...)."""
+    return [item for item in session.items if getattr(getattr(item, "module", None), "__name__", "") == __name__]
+
+
+def selected_reshards(session) -> list[tuple]:
+    """RESHARDS' rows of the selected tests, and the dp2 x tp2 resume at its own layout if selected."""
+    mine = selected_here(session)
+    wanted = {getattr(getattr(item, "callspec", None), "params", {}).get("name") for item in mine}
+    reshards = [r for r in RESHARDS if r[0] in wanted]
+    if any(item.name == "test_resume_at_the_same_layout_dp2_tp2" for item in mine):
+        reshards.append(("dp2-tp2-again", ("dp2-tp2", 4, DP2_TP2), (4, DP2_TP2)))
+    return reshards
+
+
+def shared_runs_of(session) -> dict[str, tuple[int, list[str]]]:
+    """The saving runs the selected tests resume, and the seed test's one-process run: independent
+    runs, so they train in launches shared with other files' runs of their rank counts
+    (tests/harness/shared_runs.py)."""
+    # Not the 8-rank run: no other file shares its rank count, so it would gain nothing and make
+    # whichever file asked first wait for it (the saved fixture asks for it on its own).
+    runs = {source: (n, [*SAVE, *o]) for _, (source, n, o), _ in selected_reshards(session) if n < 8}
+    if any(item.name == "test_seed_checkpoint_starts_any_layout" for item in selected_here(session)):
+        runs["init-std"] = (1, INIT_STD)
+    return runs
+
+
 @pytest.fixture(scope="module")
 def saved(run_store, runs_root, request) -> Saved:
     """The selected tests' saving runs train first, then their resumes: a few launches for all."""
     saved = Saved(run_store, runs_root / "checkpoints")
-    wanted = selected_params(request, "name")
-    reshards = [r for r in RESHARDS if r[0] in wanted]
-    if any(item.name == "test_resume_at_the_same_layout_dp2_tp2" for item in request.session.items):
-        reshards.append(("dp2-tp2-again", ("dp2-tp2", 4, DP2_TP2), (4, DP2_TP2)))
-    saved.prefetch({source: (n, [*SAVE, *o]) for _, (source, n, o), _ in reshards})
+    reshards = selected_reshards(request.session)
+    saved.runs |= shared_runs(run_store, request.session, __name__)
+    saved.prefetch({source: (n, [*SAVE, *o]) for _, (source, n, o), _ in reshards if source not in saved.runs})
     saved.prefetch({name: (n, saved.resume_arguments(saved.runs[source], o)) for name, (source, *_), (n, o) in reshards
                     if saved.runs[source].returncode == 0})
     return saved
@@ -179,17 +206,23 @@ def test_reshard(saved, parity, name, saved_at, continued_at):
 @pytest.mark.multirank
 def test_seed_checkpoint_starts_any_layout(saved, parity):
     """Weights initialized once (here with another init_std) start a run at another layout."""
-    seed_run = launch(saved.root / "seed", [*FAST, "checkpoint.create_seed=true", "model.init_std=0.05",
-                                            "parallel.dp_shard=2"], nproc=2)
-    step0 = seed_run.run_dir / "checkpoints" / "step_0"
+    step0 = saved.root / "seed" / "checkpoints" / "step_0"
+    steps = f"train.steps={PARITY_STEPS}"  # the parity family's tolerance: its steps
+    # One 2-rank launch for both: the seed's layout ends before the one that starts from it
+    # (tests/harness/layout_batch.py); one that failed there, launched again on its own.
+    layouts = {"seed": [*FAST, "checkpoint.create_seed=true", "model.init_std=0.05", "parallel.dp_shard=2"],
+               "from-seed": [*FAST, steps, f"checkpoint.init_from={step0}", "parallel.tp=2"]}
+    runs = launch_batch(saved.root, layouts, nproc=2)
+    for name, overrides in layouts.items():
+        if name not in runs:
+            runs[name] = launch(saved.root / name, overrides, nproc=2)
+    seed_run, from_seed = runs["seed"], runs["from-seed"]
     assert (step0 / COMPLETE).is_file(), seed_run.stderr[-2000:]
     assert json.loads((step0 / "meta.json").read_text())["model_only"]
     assert not seed_run.metrics  # it trains nothing
-    steps = f"train.steps={PARITY_STEPS}"  # the parity family's tolerance: its steps
-    from_seed = launch(saved.root / "from-seed", [*FAST, steps, f"checkpoint.init_from={step0}", "parallel.tp=2"],
-                       nproc=2)
     from_seed.assert_finished(PARITY_STEPS)
-    direct = launch(saved.root / "init-std", [*FAST, steps, "model.init_std=0.05"])
+    direct = saved.runs["init-std"]  # the seed's init_std, trained from scratch in one process
+    direct.assert_finished(PARITY_STEPS)
     # another layout: the default family's tolerance (the same model, data and optimizer)
     assert_matches(direct, from_seed, tolerance=parity.tolerance(), metrics=("loss",))
 

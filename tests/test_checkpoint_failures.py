@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from harness.runs import FAST, Run, launch, launch_batch
+from harness.shared_runs import shared_runs
 from safetensors.torch import load_file
 
 from parallel3d.base import RunError
@@ -93,18 +94,23 @@ def _name_outside(step_dir: Path) -> None:
     _edit_manifest(step_dir, files={**json.loads((step_dir / MANIFEST).read_text())["files"], "../../outside.bin": entry})
 
 
+# Trained in one 2-rank launch with other files' 2-rank runs (tests/harness/shared_runs.py).
+SHARED = {"saved": (2, SAVING)}
+
+
 @pytest.fixture(scope="module")
-def saved(runs_root) -> Run:
-    run = launch(runs_root / "faults-base", SAVING, nproc=2)
+def saved(run_store, request) -> Run:
+    """The 2-rank run every case damages a copy of (the store's: read-only here)."""
+    run = shared_runs(run_store, request.session, "test_checkpoint_failures")["saved"]
     run.assert_finished(4)
     assert complete_steps(run.run_dir / "checkpoints") == [2, 4]
     return run
 
 
-def damaged_copy(saved: Run, name: str, copy: str | None = None) -> tuple[Path, str]:
-    """A copy of the saved run with step_4 damaged as FAULTS[name] says; (run_dir, damaged file name)."""
+def damaged_copy(saved: Run, root: Path, name: str, copy: str | None = None) -> tuple[Path, str]:
+    """A copy of the saved run in ``root`` with step_4 damaged as FAULTS[name] says; (run_dir, damaged file name)."""
     damage, damaged_file, _ = FAULTS[name]
-    run_dir = saved.run_dir.parent / (copy or name)
+    run_dir = root / (copy or name)
     shutil.copytree(saved.run_dir, run_dir)
     step4 = run_dir / "checkpoints" / "step_4"
     damaged = damaged_file(step4)
@@ -113,10 +119,12 @@ def damaged_copy(saved: Run, name: str, copy: str | None = None) -> tuple[Path, 
 
 
 @pytest.fixture(scope="module")
-def fallbacks(saved) -> dict[str, Run]:
+def fallbacks(saved, runs_root) -> dict[str, Run]:
     """Every fault case resumed (checkpoint.resume=auto) in one 2-rank launch."""
-    damaged = {name: damaged_copy(saved, name) for name in FAULTS}
-    runs = launch_batch(saved.run_dir.parent, {name: [*SAVING, *OVERRIDES.get(name, [])] for name in FAULTS}, nproc=2)
+    root = runs_root / "faults"
+    root.mkdir()
+    damaged = {name: damaged_copy(saved, root, name) for name in FAULTS}
+    runs = launch_batch(root, {name: [*SAVING, *OVERRIDES.get(name, [])] for name in FAULTS}, nproc=2)
     for name, (run_dir, _) in damaged.items():  # a case the batch did not finish gets a launch of its own
         if name not in runs:
             runs[name] = launch(run_dir, [*SAVING, *OVERRIDES.get(name, [])], nproc=2)
@@ -145,7 +153,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(saved, fallbacks, n
 
 @pytest.mark.multirank
 def test_an_explicit_resume_of_a_damaged_checkpoint_is_refused_in_one_line(saved, runs_root):
-    source, damaged = damaged_copy(saved, "shard-bytes-flipped", copy="explicit-source")
+    source, damaged = damaged_copy(saved, runs_root, "shard-bytes-flipped", copy="explicit-source")
     run = launch(runs_root / "explicit", [*SAVING, f"checkpoint.resume={source / 'checkpoints' / 'step_4'}"], nproc=2)
     assert run.returncode != 0 and not run.metrics
     ours = [line for line in (run.stdout + run.stderr).splitlines() if line.startswith("parallel3d:")]

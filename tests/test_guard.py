@@ -2,7 +2,8 @@
 
 The guard's rules are unit tests (one process, and two gloo ranks that see different losses);
 end to end, ``debug.nan_steps`` poisons a step in one process and in dp2 x tp2 and pp2 layouts,
-batched per rank count (tests/harness/layout_batch.py), and every layout must skip it alike.
+batched per rank count, with other files' runs (tests/harness/shared_runs.py), and every layout
+must skip it alike.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ import torch
 import torch.distributed as dist
 from harness.parity import assert_matches
 from harness.runs import FAST, STEPS, launch_batch, tensorboard_scalars
+from harness.shared_runs import shared_runs
 from harness.tolerance import measure, twins
 
 from parallel3d.runtime.guard import SPIKE_MIN_STEPS, BadStepGuard, TrainingDiverged
 
 NAN_AT_7 = [*FAST, "debug.nan_steps=[7]", "train.on_bad_step=skip"]
+# Trained in launches shared with other files' runs of these rank counts (tests/harness/shared_runs.py).
+SHARED = {"dp2_tp2": (4, [*NAN_AT_7, "parallel.dp_shard=2", "parallel.tp=2"]),
+          "pp2": (2, [*NAN_AT_7, "parallel.pp=2", "train.micro_batch_size=2"])}
 
 
 def guard(**overrides) -> BadStepGuard:
@@ -122,18 +127,18 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.multirank
-def test_a_poisoned_step_is_skipped_alike_in_every_layout(tmp_path, one_process):
+def test_a_poisoned_step_is_skipped_alike_in_every_layout(tmp_path, one_process, run_store, request):
     """Step 7's loss is NaN on every rank: one process, dp2 x tp2 and pp2 skip it (no update, the lr
     schedule goes on) and train the same losses at every other step. The dp2 run with
     on_bad_step=stop ends at step 7 on every rank with one line naming it."""
-    runs = {**launch_batch(tmp_path, {"dp2_tp2": [*NAN_AT_7, "parallel.dp_shard=2", "parallel.tp=2"]}, nproc=4),
-            **launch_batch(tmp_path, {"pp2": [*NAN_AT_7, "parallel.pp=2", "train.micro_batch_size=2"],
-                                      "stop": [*FAST, "debug.nan_steps=[7]", "parallel.dp_shard=2"]}, nproc=2)}
+    runs = shared_runs(run_store, request.session, "test_guard")
+    # on_bad_step=stop is meant to fail, which would end a shared launch: it gets one of its own
+    launch_batch(tmp_path, {"stop": [*FAST, "debug.nan_steps=[7]", "parallel.dp_shard=2"]}, nproc=2)
     reference = _metrics(one_process["skip"].run_dir)
     _assert_skipped_7(reference)
     assert "step 7 skipped: loss is not finite" in one_process["skip"].stdout
     for name in ("dp2_tp2", "pp2"):
-        assert name in runs, f"{name} failed: see {tmp_path / name}.batch"
+        assert runs[name].returncode == 0, f"{name} failed: see {runs[name].run_dir}\n{runs[name].stderr[-3000:]}"
         rows = _metrics(runs[name].run_dir)
         _assert_skipped_7(rows)
         # the good steps, within what the one-process run's own sensitivity implies (tests/harness/tolerance.py)

@@ -1,5 +1,6 @@
 """Per-rank timing and stragglers (parallel3d/observe/meter.py, straggler.py) and profiler traces
-(parallel3d/observe/profiling.py), on real 4-rank runs: one launch trains all four layouts."""
+(parallel3d/observe/profiling.py), on real 4-rank runs: one launch trains all four layouts, and
+other files' 4-rank runs with them (tests/harness/shared_runs.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import re
 
 import pytest
-from harness.runs import launch, launch_batch
+from harness.shared_runs import shared_runs
 
 from parallel3d.runtime.straggler import StragglerWatch
 
@@ -24,14 +25,16 @@ LAYOUTS = {
 STRAGGLER = re.compile(r"parallel3d: straggler: rank (\d+) on (\S+) took")
 
 
+# Trained in one 4-rank launch with other files' 4-rank runs (tests/harness/shared_runs.py).
+SHARED = {name: (4, overrides) for name, overrides in LAYOUTS.items()}
+
+
 @pytest.fixture(scope="module")
-def runs(runs_root):
-    """The four layouts in one 4-rank launch; any that failed there, launched on its own."""
-    done = launch_batch(runs_root, LAYOUTS, nproc=4)
-    for name, overrides in LAYOUTS.items():
-        if name not in done:
-            done[name] = launch(runs_root / name, overrides, nproc=4)
-            done[name].assert_finished(5)
+def runs(run_store, request):
+    """The four layouts, from the session's shared launches (any that failed there, launched on its own)."""
+    done = shared_runs(run_store, request.session, "test_observability")
+    for run in done.values():
+        run.assert_finished(5)
     return done
 
 
