@@ -23,19 +23,39 @@ CONF_DIR = _shipped("conf")
 RECIPES_DIR = _shipped("recipes")
 
 
+# What the last register_configs stored: (the recipe files' state it read, the broken ones, the store).
+_registered: tuple[tuple, dict[str, str], object] | None = None
+
+
+def _recipe_files_state(dirs: list[Path]) -> tuple | None:
+    """Every recipe file's name and bytes, folder by folder: all that decides what load_recipes
+    reads (contents, not modification times: a file rewritten within the clock's tick counts);
+    None where a folder is missing (load_recipes then raises, naming it)."""
+    if not all(d.is_dir() for d in dirs):
+        return None
+    return tuple((str(d), tuple((p.name, p.read_bytes()) for p in sorted(d.glob("*.yaml")))) for d in dirs)
+
+
 def register_configs(overrides: list[str] | tuple[str, ...] = ()) -> None:
     """Put the schema and every readable recipe into Hydra's ConfigStore (idempotent). A broken
-    recipe file fails only when ``overrides`` select it (config/strict.py: RecipeError, naming it)."""
+    recipe file fails only when ``overrides`` select it (config/strict.py: RecipeError, naming it).
+    Recipe files unchanged since the last call are not read and stored again: a process that
+    composes many configs (tests, the planner's searches) pays for parsing them once."""
+    global _registered
     from hydra.core.config_store import ConfigStore
 
     from parallel3d.config.strict import load_recipes, recipe_dirs, refuse_broken
 
     cs = ConfigStore.instance()
-    cs.store(name="schema", node=Config)
-    recipes, broken = load_recipes(recipe_dirs(RECIPES_DIR))
-    for name, node in recipes.items():
-        cs.store(group="recipe", name=name, node=node, package="_global_")
-    refuse_broken(broken, list(overrides))
+    dirs = recipe_dirs(RECIPES_DIR)
+    state = _recipe_files_state(dirs)
+    if state is None or _registered is None or _registered[0] != state or _registered[2] is not cs:
+        cs.store(name="schema", node=Config)
+        recipes, broken = load_recipes(dirs)
+        for name, node in recipes.items():
+            cs.store(group="recipe", name=name, node=node, package="_global_")
+        _registered = (state, broken, cs)
+    refuse_broken(_registered[1], list(overrides))
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
