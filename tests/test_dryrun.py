@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness.runs import FAST, launch
+from harness.parity import Parity
 from omegaconf import OmegaConf
 
 from parallel3d.base import ConfigError
@@ -182,14 +182,20 @@ def test_planned_moe_peak_memory_is_within_10_percent_of_the_dry_run(name):
         assert abs(planned / report.peak_bytes - 1) < 0.10, (report.rank, planned, report.peak_bytes)
 
 
+# pp 2 x dp 2, ZeRO-3, 1F1B: a layout tests/test_parallel_pipeline_zero.py trains too (the session's
+# run store trains it once for both).
+PP2_ZERO3 = ("dp2-pp2-1F1B-zero3", ["parallel.pp=2", "parallel.pp_schedule=1F1B", "parallel.zero_stage=3",
+                                    "train.micro_batch_size=2"])
+
+
 @pytest.mark.multirank
-def test_model_state_bytes_equal_a_real_run(tmp_path):
-    """pp 2 x dp 2 (ZeRO-3) on 4 gloo ranks: the run logs the max over ranks of its local bytes."""
-    overrides = [*FAST, "train.steps=2", "optim.warmup_steps=1", "parallel=fsdp", "parallel.pp=2"]
-    real = launch(tmp_path / "run", overrides, nproc=4)
-    real.assert_finished(2)
+def test_model_state_bytes_equal_a_real_run(parity):
+    """pp 2 x dp 2 (ZeRO-3) on 4 gloo ranks: the run logs the max over ranks of its local bytes;
+    the dry run of the same config (every override the real run trained with) reports them."""
+    name, layout = PP2_ZERO3
+    real = parity.run(name, 4, layout)  # checks it finished every step
     logged = real.metrics[0]
-    reports = dry_run(overrides, world_size=4, ranks=[0, 1, 2, 3])
+    reports = dry_run(Parity.arguments(layout), world_size=4, ranks=[0, 1, 2, 3])
     assert [r.coords for r in reports] == [{"pp": p, "dp_shard": d} for p in (0, 1) for d in (0, 1)]
     for key in ("param_bytes", "grad_bytes", "optim_state_bytes"):
         assert max(getattr(r, key) for r in reports) == logged[key], key
