@@ -387,8 +387,9 @@ def test_fake_tensors_report_what_real_tensors_do(three_d):
 
 def _planner_3d(three_d, zero_stage: int) -> tuple[dict, dict]:
     overrides = [*THREE_D, f"parallel.zero_stage={zero_stage}"]
-    reports = three_d if zero_stage == 3 else dry_run(overrides, 8)
-    r = reports[1]  # stages 1 and 3 (loss parallel): the rank the planner reports, the busiest
+    # Rank 4, stages 1 and 3 (loss parallel): the rank the planner reports, the busiest.
+    r = three_d[1] if zero_stage == 3 else dry_run(overrides, 8, [4])[0]
+    assert r.rank == 4
     scalars = 20 * F64  # the grad norm of 20 gradient tensors, over dp_shard and over tp
     view = planner_view(r, {("dp_shard", "all_reduce"): scalars, ("tp", "all_reduce"): scalars,
                             ("pp", "all_reduce"): F64}, zero_stage)
