@@ -193,7 +193,7 @@ def _update_on_two_ranks(rank: int, port: int) -> None:
             calls.append(tuple(matrix.shape))
             return orthogonalise(matrix, *args)
 
-        muon_module.newton_schulz = counted  # this spawned process's own copy of the module
+        muon_module.newton_schulz = counted  # this forked process's own copy of the module
         for step_grads in grads:
             for w, s, grad, (_, pl) in zip(whole, split, step_grads, SPLITS):
                 w.grad, s.grad = grad.clone(), distribute_tensor(grad.clone(), mesh, [pl])
@@ -220,7 +220,8 @@ def test_a_split_matrix_gets_the_update_of_the_whole():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_update_on_two_ranks, args=(port,), nprocs=2)
+    # Forked, not spawned: the ranks start from this process's imports instead of importing torch again.
+    mp.start_processes(_update_on_two_ranks, args=(port,), nprocs=2, start_method="fork")
 
 
 @pytest.mark.parametrize("world, overrides", [
