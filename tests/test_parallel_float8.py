@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchao.float8  # noqa: F401  (pyproject's dev extra: missing, this file fails, not skips)
-from harness.parity import Matrix, assert_matches, layouts, prefetch_selected
+from harness.parity import Matrix, assert_matches, layouts, prefetch_selected, selected_params
 from harness.runs import relative_error
 from omegaconf import OmegaConf
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -192,10 +192,16 @@ LAYOUTS = layouts({
 MATRIX = Matrix(tuple(LAYOUTS))  # lent to other files' batches (harness/parity.py)
 
 
+BF16 = ("bf16", 1, ["train.param_dtype=bfloat16", "train.micro_batch_size=16"])  # what every layout tracks
+
+
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
-    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""
-    prefetch_selected(request, parity, MATRIX)
+    """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py),
+    the bf16 run in the one-process float8 run's launch."""
+    if selected_params(request, "layout"):
+        name, nproc, overrides = BF16
+        prefetch_selected(request, parity, MATRIX, also={name: (nproc, overrides)})
 
 
 @pytest.mark.multirank
@@ -203,7 +209,7 @@ def batched(parity, request):
 def test_float8_tracks_bf16(layout, parity):
     """Through parity.run, which also holds the planner's model-state bytes to the measured ones:
     float8 keeps float32 master weights, gradients and optimizer state, so the planner needs no change."""
-    bf16 = parity.run("bf16", 1, ["train.param_dtype=bfloat16", "train.micro_batch_size=16"])
+    bf16 = parity.run(*BF16)
     run = parity.train(layout)
     assert_matches(bf16, run, tolerance=TOLERANCE, metrics=("loss",))
     if layout.nproc == 1:  # the same code path as bf16 but for the float8 layers

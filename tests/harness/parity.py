@@ -88,16 +88,17 @@ class Matrix:
                 for layout in self.layouts if layout.name in wanted}
 
 
-def prefetch_selected(request, parity: Parity, matrix: Matrix) -> None:
-    """Batch the layouts of this module's tests that will run, filling each batch's spare room
-    with other files' selected layouts of the same rank count (their ``MATRIX``), so that fewer
-    launches pay torchrun's and the ranks' start-up."""
+def prefetch_selected(request, parity: Parity, matrix: Matrix,
+                      also: dict[str, tuple[int, list[str]]] | None = None) -> None:
+    """Batch the layouts of this module's tests that will run (and ``also`` these runs), filling
+    each batch's spare room with other files' selected layouts of the same rank count (their
+    ``MATRIX``), so that fewer launches pay torchrun's and the ranks' start-up."""
     spare = {}
     for module in dict.fromkeys(item.module for item in request.session.items):
         other = getattr(module, "MATRIX", None)
         if module is not request.module and isinstance(other, Matrix):
             spare |= {name: spec for name, spec in other.selected(request, module).items() if name not in spare}
-    parity.prefetch(matrix.selected(request), spare)
+    parity.prefetch({**(also or {}), **matrix.selected(request)}, spare)
 
 
 class Parity:
