@@ -33,15 +33,31 @@ MATRIX = Matrix(tuple(LAYOUTS), prefix="lora-", extra=tuple(LORA))  # lent to ot
 REFERENCE = ("lora-reference", [*LORA, "train.micro_batch_size=16"])  # one process (and its twins)
 
 
-@pytest.fixture(scope="module")
-def lora_reference(parity):
-    return parity.measured(*REFERENCE)[0]
+def resumed(parity) -> tuple[str, list[str]]:
+    """One process resuming dp2 x tp2's step-SAVE_EVERY checkpoint (where that run is, or will be)."""
+    saved = parity.run_dir("lora-" + LAYOUTS[0].name, LAYOUTS[0].nproc, [*LORA, *LAYOUTS[0].overrides])
+    return "lora-resumed", [*LORA, "train.micro_batch_size=16", f"checkpoint.resume={saved}/checkpoints/step_{SAVE_EVERY}"]
 
 
 @pytest.fixture(scope="module")
-def lora_tolerance(parity):
+def lora_runs(request, parity):
+    """The selected layouts and dp2 x tp2 (whose checkpoint the resume reads) in one 4-rank launch,
+    then the one-process reference, its twins and the resume in one launch."""
+    saving = LAYOUTS[0]
+    prefetch_selected(request, parity, MATRIX, also={"lora-" + saving.name: (saving.nproc, [*LORA, *saving.overrides])})
+    parity.prefetch_references(dict([REFERENCE]), others=dict([resumed(parity)]))
+    return parity
+
+
+@pytest.fixture(scope="module")
+def lora_reference(lora_runs):
+    return lora_runs.measured(*REFERENCE)[0]
+
+
+@pytest.fixture(scope="module")
+def lora_tolerance(lora_runs):
     """What the one-process run's own sensitivity implies (tests/harness/tolerance.py)."""
-    return parity.measured(*REFERENCE)[1]
+    return lora_runs.measured(*REFERENCE)[1]
 
 
 @pytest.mark.fast
@@ -88,10 +104,9 @@ def test_refusals(overrides, key):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_layouts_equal_one_process(request, parity, lora_reference, lora_tolerance, layout):
+def test_layouts_equal_one_process(parity, lora_reference, lora_tolerance, layout):
     """Losses, grad norms and final weights (adapters included) of each layout equal one process's;
     ``parity.run`` also holds each run's measured model-state bytes to the planner's."""
-    prefetch_selected(request, parity, MATRIX)
     assert_matches(lora_reference, parity.train(layout, prefix="lora-", extra=LORA), tolerance=lora_tolerance,
                    weights=True)
 
@@ -101,10 +116,11 @@ def test_resume_at_another_layout(parity, lora_reference, lora_tolerance):
     """dp2 x tp2's step-5 checkpoint (adapters and their optimizer state split over dp and tp)
     resumed by one process continues as the one-process run did."""
     run = parity.train(LAYOUTS[0], prefix="lora-", extra=LORA)
-    saved = run.run_dir / "checkpoints" / f"step_{SAVE_EVERY}"
-    resumed = parity.run("lora-resumed", 1, [*LORA, "train.micro_batch_size=16", f"checkpoint.resume={saved}"])
-    assert [row["step"] for row in resumed.metrics] == list(range(SAVE_EVERY + 1, PARITY_STEPS + 1))
-    assert_matches(lora_reference, resumed, tolerance=lora_tolerance, weights=True)
+    name, overrides = resumed(parity)
+    assert overrides[-1] == f"checkpoint.resume={run.run_dir / 'checkpoints' / f'step_{SAVE_EVERY}'}"
+    continued = parity.run(name, 1, overrides)
+    assert [row["step"] for row in continued.metrics] == list(range(SAVE_EVERY + 1, PARITY_STEPS + 1))
+    assert_matches(lora_reference, continued, tolerance=lora_tolerance, weights=True)
 
 
 @pytest.mark.multirank
