@@ -54,6 +54,7 @@ def torchrun_only_in_multirank_tests(request):
             if peers := [rank for rank in ranks if rank.is_alive()]:
                 for peer in peers:
                     peer.kill()  # waiting for this one at their rendezvous: ended here, not left behind
+                    peer.join(timeout=10)  # and reaped, or a later test would still find it alive
                 refusing(f"rank processes ({self._target})")
             ranks.append(self)
         process_start(self)
