@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -77,10 +78,7 @@ class RunStore:
     def _take_spare(self, held: contextlib.ExitStack, mine: Wanted, spare: Wanted, keys: dict[str, str]) -> Wanted:
         """The spare runs that fill this call's batches: of a rank count it trains, up to the room
         its last batch leaves, untrained and not locked by another worker (their keys join ``keys``)."""
-        room = {}
-        for nproc, _ in mine.values():
-            room[nproc] = room.get(nproc, 0) - 1
-        room = {nproc: count % self.batch_size for nproc, count in room.items()}
+        room = {nproc: -count % self.batch_size for nproc, count in Counter(n for n, _ in mine.values()).items()}
         taken: Wanted = {}
         for name, (nproc, overrides) in spare.items():
             key = run_key(nproc, overrides)
