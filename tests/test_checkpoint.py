@@ -108,7 +108,7 @@ def saved(run_store, runs_root, request) -> Saved:
     """The selected tests' saving runs train first, then their resumes: a few launches for all."""
     saved = Saved(run_store, runs_root / "checkpoints")
     reshards = selected_reshards(request.session)
-    saved.runs |= shared_runs(run_store, request.session, __name__)
+    saved.runs |= shared_runs(run_store, request.session, request.module)
     saved.prefetch({source: (n, [*SAVE, *o]) for _, (source, n, o), _ in reshards if source not in saved.runs})
     saved.prefetch({name: (n, saved.resume_arguments(saved.runs[source], o)) for name, (source, *_), (n, o) in reshards
                     if saved.runs[source].returncode == 0})

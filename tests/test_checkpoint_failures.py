@@ -101,7 +101,7 @@ SHARED = {"saved": (2, SAVING)}
 @pytest.fixture(scope="module")
 def saved(run_store, request) -> Run:
     """The 2-rank run every case damages a copy of (the store's: read-only here)."""
-    run = shared_runs(run_store, request.session, "test_checkpoint_failures")["saved"]
+    run = shared_runs(run_store, request.session, request.module)["saved"]
     run.assert_finished(4)
     assert complete_steps(run.run_dir / "checkpoints") == [2, 4]
     return run

@@ -131,7 +131,7 @@ def test_a_poisoned_step_is_skipped_alike_in_every_layout(tmp_path, one_process,
     """Step 7's loss is NaN on every rank: one process, dp2 x tp2 and pp2 skip it (no update, the lr
     schedule goes on) and train the same losses at every other step. The dp2 run with
     on_bad_step=stop ends at step 7 on every rank with one line naming it."""
-    runs = shared_runs(run_store, request.session, "test_guard")
+    runs = shared_runs(run_store, request.session, request.module)
     # on_bad_step=stop is meant to fail, which would end a shared launch: it gets one of its own
     launch_batch(tmp_path, {"stop": [*FAST, "debug.nan_steps=[7]", "parallel.dp_shard=2"]}, nproc=2)
     reference = _metrics(one_process["skip"].run_dir)

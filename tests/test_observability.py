@@ -32,7 +32,7 @@ SHARED = {name: (4, overrides) for name, overrides in LAYOUTS.items()}
 @pytest.fixture(scope="module")
 def runs(run_store, request):
     """The four layouts, from the session's shared launches (any that failed there, launched on its own)."""
-    done = shared_runs(run_store, request.session, "test_observability")
+    done = shared_runs(run_store, request.session, request.module)
     for run in done.values():
         run.assert_finished(5)
     return done
