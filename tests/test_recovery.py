@@ -42,9 +42,6 @@ SHARED = {layout: (nproc, [*RUN, *overrides]) for layout, (nproc, overrides) in 
 # Trials are random but repeatable: P3D_RECOVERY_SEED=N pytest ... explores other ranks and steps.
 SEED = int(os.environ.get("P3D_RECOVERY_SEED", "0"))
 JOB_TIMEOUT_S = 240
-# The first test to run may also wait for the references' shared launches, which train other
-# files' runs too (tests/harness/shared_runs.py), before its own job.
-TEST_TIMEOUT_S = 600
 TORCHRUN_TEARDOWN_S = 30  # LocalElasticAgent._shutdown: SIGTERM, then SIGKILL this much later
 
 
@@ -211,7 +208,7 @@ def jobs():
 def reference(run_store, request):
     """The uninterrupted run of a layout, which every trial at that layout must reproduce (run once,
     read-only: a trial compares with its folder)."""
-    runs = shared_runs(run_store, request.session, "test_recovery")
+    runs = shared_runs(run_store, request.session, request.module)
 
     def get(layout: str) -> Run:
         runs[layout].assert_finished(STEPS)
@@ -318,7 +315,6 @@ def kill_during_save(job: Job, rng: random.Random) -> Trial:
 # -- tests ----------------------------------------------------------------------------------------
 
 @pytest.mark.multirank
-@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_killed_ranks_resume_from_the_newest_checkpoint(tmp_path, jobs, reference):
     """Three crashes at random ranks and steps, through parallel3d-run with no run_dir: the restarted
     workers compose their config again and must still find the first attempt's run dir."""
@@ -331,7 +327,6 @@ def test_killed_ranks_resume_from_the_newest_checkpoint(tmp_path, jobs, referenc
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_kills_during_a_save_leave_no_corrupt_checkpoint(tmp_path, jobs, reference):
     """Any of four ranks (two pipeline stages, each FSDP over two) killed while a checkpoint is written."""
     rng = trial_rng("save")
@@ -343,7 +338,6 @@ def test_kills_during_a_save_leave_no_corrupt_checkpoint(tmp_path, jobs, referen
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_a_hung_rank_fails_its_peers_within_the_timeout(tmp_path, jobs, reference):
     """SIGSTOP one rank: the others' next collective fails after train.dist_timeout_s, torchrun stops
     the group (the stopped rank cannot act on SIGTERM: SIGKILL follows TORCHRUN_TEARDOWN_S later)
