@@ -36,3 +36,18 @@ def test_a_broken_recipe_breaks_only_the_run_naming_it(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match=f"^recipe=broken: {tmp_path / 'broken.yaml'}: .*Fix: correct that YAML"):
         compose(["recipe=broken"])
     assert first_config_error(["recipe=broken"], [1]).startswith(f"recipe=broken: {tmp_path / 'broken.yaml'}")
+
+
+def test_a_recipe_edited_between_two_composes_is_read_again(tmp_path, monkeypatch):
+    """compose() parses the recipe files once per process while they stay the same
+    (config/compose.py): an edit, a new file and a repaired one are seen by the next compose."""
+    (tmp_path / "mine.yaml").write_text("# @package _global_\ntrain:\n  steps: 7\nrecipe: mine\n")
+    (tmp_path / "broken.yaml").write_text("train:\n  steps: [\n")
+    monkeypatch.setenv(RECIPES_ENV, str(tmp_path))
+    assert compose(["recipe=mine"]).train.steps == 7
+    (tmp_path / "mine.yaml").write_text("# @package _global_\ntrain:\n  steps: 9\nrecipe: mine\n")
+    (tmp_path / "other.yaml").write_text("# @package _global_\ntrain:\n  steps: 5\nrecipe: other\n")
+    (tmp_path / "broken.yaml").write_text("# @package _global_\ntrain:\n  steps: 3\nrecipe: broken\n")
+    assert compose(["recipe=mine"]).train.steps == 9
+    assert compose(["recipe=other"]).train.steps == 5
+    assert compose(["recipe=broken"]).train.steps == 3
