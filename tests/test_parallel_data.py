@@ -64,6 +64,35 @@ def test_wrap_policy_decides_the_fsdp_units(fake_world, wrap, units):
     assert {name for name, m in model.named_modules() if isinstance(m, FSDPModule)} == units
 
 
+@pytest.mark.fast
+def test_cpu_gathers_are_issued_a_block_ahead(fake_world, monkeypatch):
+    """On a CPU device FSDP's all-gathers are asynchronous and prefetched in forward, the root
+    starting the first block's and each block the next one's: when a block computes, its
+    successor's parameters are already on their way (parallel/data.py, _overlap_gathers_on_host)."""
+    with torch.device("meta"):
+        model = Transformer(OmegaConf.to_object(compose([]).model))
+    plan = DataParallelPlan(zero_stage=3, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    apply_data_parallel(model, fake_world.dp, fake_world.fsdp, plan)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    issued, started = [], []  # each gather's async_op; the gathers issued when each block starts
+    # what FSDP calls for its gathers: all_gather_single in newer torch, all_gather_into_tensor before
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    gather = getattr(dist, name)
+
+    def record(*args, async_op=False, **kwargs):
+        issued.append(async_op)
+        return gather(*args, async_op=async_op, **kwargs)
+
+    monkeypatch.setattr(dist, name, record)
+    blocks = list(model.layers.values())
+    for block in blocks:  # after FSDP's own pre-forward hook, which runs first
+        block.register_forward_pre_hook(lambda *_: started.append(len(issued)))
+    model(torch.zeros(1, 8, dtype=torch.long))
+    assert started == [min(i + 3, len(blocks) + 1) for i in range(len(blocks))]  # the root, blocks 0..i+1
+    assert issued and all(issued)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def batched(parity, request):
     """The selected layouts train in a few launches instead of one each (tests/harness/layout_batch.py)."""

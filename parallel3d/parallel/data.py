@@ -106,7 +106,9 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, fsdp_mesh: Device
     else:
         _shard_by_size(model, plan.min_params, units)
     fully_shard(model, **shard, reshard_after_forward=None if plan.reshard_blocks_after_forward else False)
-    if plan.prefetch:
+    if shard["mesh"].device_type == "cpu" and shard["mesh"].size() > 1:
+        _overlap_gathers_on_host(model, blocks if plan.wrap == "block" else [], plan.prefetch)
+    elif plan.prefetch:
         _set_prefetch(blocks, plan.prefetch)
 
 
@@ -164,6 +166,21 @@ def _shard_by_size(root: nn.Module, min_params: int, shard: dict) -> None:
         return unclaimed
 
     visit(root)
+
+
+def _overlap_gathers_on_host(model: nn.Module, blocks: list[nn.Module], prefetch: int) -> None:
+    """On a CPU device, FSDP's all-gathers overlap compute as its streams make them do on a GPU.
+
+    Without streams FSDP calls gloo synchronously: a prefetch, its own in backward included, then
+    blocks the rank's one compute thread until the peers arrive, and every gather waits in full.
+    Issued asynchronously, gloo's threads move the next block's parameters while this one computes.
+    In forward the root starts the first block's gather and each block the next one's
+    (``parallel.fsdp_prefetch=0``; N: the next N), what FSDP's streams do on CUDA. The gathers and
+    their bytes are the same, and so are the units held at once: the one in compute and the one
+    prefetched, which the planner counts. ``blocks``: empty when they are not units (``fsdp_wrap=size``)."""
+    model._set_unshard_async_op(True)  # torch's own switch; the prefetch lists below make it overlap
+    model.set_modules_to_forward_prefetch(blocks[:1])
+    _set_prefetch(blocks, max(prefetch, 1))
 
 
 def _set_prefetch(blocks: list[nn.Module], n: int) -> None:
