@@ -204,29 +204,32 @@ def test_model_state_bytes_equal_a_real_run(parity):
 # Layouts of the tiny model: (world size, overrides, M = micro batches per rank, the per-step
 # payload rank 0 moves by (dim, kind), and what of it parallel3d/planner leaves out). Comments give
 # the reason for every byte beyond the textbook minimum; /tmp/p3d/dryrun_readme.md tabulates them.
-GRAD_NORM = N_TENSORS * F64  # clip_grad_norm_: one float64 per gradient tensor, summed over the shards
+# clip_grad_norm_ (optim/clip.py): where every gradient is split alike over one mesh dim (FSDP's
+# own layouts, HSDP, cp) one float64, the rank's norm squared; where tp mixes placements DTensor
+# sums one float64 per gradient tensor over the shards.
+NORM_SQUARED, GRAD_NORM = F64, N_TENSORS * F64
 LAYOUTS = {
     # ZeRO-3: per micro batch, each block all-gathered in forward and again in backward, the root
     # (embedding, norm, output) once (FSDP keeps it gathered for the backward that follows), the
     # gradients reduce-scattered. Beyond the textbook minimum of one reduction per step: gradients
     # are reduce-scattered every micro batch, since accumulating unsharded gradients would cost
-    # the memory ZeRO-3 saves. Plus the grad norm.
+    # the memory ZeRO-3 saves. Plus the grad norm's square.
     "zero3": (4, ["parallel=fsdp"], 2, lambda M: {
         ("dp_shard", "all_gather"): 2 * M * P - M * ROOT, ("dp_shard", "reduce_scatter"): M * P,
-        ("dp_shard", "all_reduce"): GRAD_NORM}, lambda M: {("dp_shard", "all_reduce"): GRAD_NORM}),
+        ("dp_shard", "all_reduce"): NORM_SQUARED}, lambda M: {("dp_shard", "all_reduce"): NORM_SQUARED}),
     "zero2": (4, ["parallel=zero2"], 2, lambda M: {  # gathered once per micro batch, kept through backward
         ("dp_shard", "all_gather"): M * P, ("dp_shard", "reduce_scatter"): M * P,
-        ("dp_shard", "all_reduce"): GRAD_NORM}, lambda M: {("dp_shard", "all_reduce"): GRAD_NORM}),
+        ("dp_shard", "all_reduce"): NORM_SQUARED}, lambda M: {("dp_shard", "all_reduce"): NORM_SQUARED}),
     "ddp": (4, ["parallel=ddp"], 2, lambda M: {("dp_shard", "all_reduce"): P}, lambda M: {}),  # one bucket, once
     # ZeRO-1: the parameters gathered once and the gradients reduce-scattered once per step, over
     # all micro batches (the minimum for a sharded optimizer). Plus the grad norm.
     "zero1": (4, ["parallel=zero1"], 2, lambda M: {
-        ("dp_shard", "all_gather"): P, ("dp_shard", "reduce_scatter"): P, ("dp_shard", "all_reduce"): GRAD_NORM},
-        lambda M: {("dp_shard", "all_reduce"): GRAD_NORM}),
+        ("dp_shard", "all_gather"): P, ("dp_shard", "reduce_scatter"): P, ("dp_shard", "all_reduce"): NORM_SQUARED},
+        lambda M: {("dp_shard", "all_reduce"): NORM_SQUARED}),
     "hsdp": (4, ["parallel=hsdp"], 2, lambda M: {  # ZeRO-3 within dp_shard=2, shards all-reduced across 2
         ("dp_shard", "all_gather"): 2 * M * P - M * ROOT, ("dp_shard", "reduce_scatter"): M * P,
-        ("dp_shard", "all_reduce"): GRAD_NORM, ("dp_replicate", "all_reduce"): M * P // 2},
-        lambda M: {("dp_shard", "all_reduce"): GRAD_NORM}),
+        ("dp_shard", "all_reduce"): NORM_SQUARED, ("dp_replicate", "all_reduce"): M * P // 2},
+        lambda M: {("dp_shard", "all_reduce"): NORM_SQUARED}),
     # Sequence parallel, per micro batch: each block gathers the sequence before attention and
     # the MLP and reduce-scatters after them (4 each, forward and backward together), the output
     # projection one each. The embedding, split over its dim, sends each rank's slice of every
@@ -283,23 +286,23 @@ LAYOUTS = {
     # one in backward and their gradients one hop home: 3*ACT/2 sent. Both the algorithm's minimum.
     "cp_alltoall": (2, ["parallel.cp=2", "train.global_batch_size=4"], 2, lambda M: {
         ("cp", "all_gather"): 2 * M * P - M * ROOT, ("cp", "reduce_scatter"): M * P,
-        ("cp", "all_reduce"): GRAD_NORM, ("cp", "all_to_all"): 3 * M * L * ACT},
-        lambda M: {("cp", "all_reduce"): GRAD_NORM}),
+        ("cp", "all_reduce"): NORM_SQUARED, ("cp", "all_to_all"): 3 * M * L * ACT},
+        lambda M: {("cp", "all_reduce"): NORM_SQUARED}),
     "cp_ring": (2, ["parallel.cp=2", "parallel.cp_method=ring", "train.global_batch_size=4"], 2, lambda M: {
         ("cp", "all_gather"): 2 * M * P - M * ROOT, ("cp", "reduce_scatter"): M * P,
-        ("cp", "all_reduce"): GRAD_NORM, ("cp", "send"): 3 * M * L * ACT // 2, ("cp", "recv"): 3 * M * L * ACT // 2},
-        lambda M: {("cp", "all_reduce"): GRAD_NORM}),
+        ("cp", "all_reduce"): NORM_SQUARED, ("cp", "send"): 3 * M * L * ACT // 2, ("cp", "recv"): 3 * M * L * ACT // 2},
+        lambda M: {("cp", "all_reduce"): NORM_SQUARED}),
     # Full recomputation repeats each block's forward exchanges (1.5*ACT).
     "cp_alltoall_full": (2, ["parallel.cp=2", "train.global_batch_size=4", "model.activation_checkpoint=full"], 2,
                          lambda M: {("cp", "all_gather"): 2 * M * P - M * ROOT, ("cp", "reduce_scatter"): M * P,
-                                    ("cp", "all_reduce"): GRAD_NORM, ("cp", "all_to_all"): 9 * M * L * ACT // 2},
-                         lambda M: {("cp", "all_reduce"): GRAD_NORM}),
+                                    ("cp", "all_reduce"): NORM_SQUARED, ("cp", "all_to_all"): 9 * M * L * ACT // 2},
+                         lambda M: {("cp", "all_reduce"): NORM_SQUARED}),
     # dp_shard 2 x cp 2: FSDP over the flattened 4 ranks (group dp_shard_cp), the ring over cp.
     "dp2_cp2_ring": (4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.cp_method=ring",
                          "train.global_batch_size=8"], 2, lambda M: {
         ("dp_shard_cp", "all_gather"): 2 * M * P - M * ROOT, ("dp_shard_cp", "reduce_scatter"): M * P,
-        ("dp_shard_cp", "all_reduce"): GRAD_NORM, ("cp", "send"): 3 * M * L * ACT // 2,
-        ("cp", "recv"): 3 * M * L * ACT // 2}, lambda M: {("dp_shard_cp", "all_reduce"): GRAD_NORM}),
+        ("dp_shard_cp", "all_reduce"): NORM_SQUARED, ("cp", "send"): 3 * M * L * ACT // 2,
+        ("cp", "recv"): 3 * M * L * ACT // 2}, lambda M: {("dp_shard_cp", "all_reduce"): NORM_SQUARED}),
 }
 
 

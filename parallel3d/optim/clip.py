@@ -82,8 +82,7 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None, uncounted=()) -> tor
     skip = {id(p) for p in uncounted}
     # DTensor ops take one mesh: expert-parallel experts live on the ep mesh, the rest on the dp one.
     by_mesh = _by_mesh([p for p in with_grad if id(p) not in skip])
-    norms = [total_norm([p.grad for p in group]) for group in by_mesh]
-    norms = [n.full_tensor() if is_dtensor(n) else n for n in norms]
+    norms = [_mesh_norm([p.grad for p in group]) for group in by_mesh]
     norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if pp_group is not None:  # each pipeline rank holds other layers: add their squares
         norm = norm**2
@@ -105,6 +104,42 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)))
+
+
+def _mesh_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global norm of ``grads`` (one mesh's): when they are all split alike over one mesh dim
+    (FSDP, ZeRO, HSDP's shards), this rank's norm of its local shards and one all-reduce of its
+    square over that dim, as DTensor's partial norm reduces, without dispatching DTensor ops per
+    gradient list; otherwise (tensor parallelism mixes placements) DTensor reduces it."""
+    group = _split_group(grads)
+    if group is False:
+        norm = total_norm(grads)
+        return norm.full_tensor() if is_dtensor(norm) else norm
+    norm = total_norm([local_tensor(g) for g in grads])
+    if group is None:  # whole on every rank (replicated, or one rank)
+        return norm
+    squared = norm**2
+    dist.all_reduce(squared, group=group)
+    return squared**0.5
+
+
+def _split_group(grads: list[torch.Tensor]):
+    """The process group of the one mesh dim that splits every gradient of ``grads`` alike; None
+    where nothing is split (plain tensors, or replicated); False for any other layout."""
+    from torch.distributed.tensor import Shard  # a DTensor exists: DTensor is imported already
+    from torch.distributed.tensor.placement_types import Replicate
+
+    if not grads or not is_dtensor(grads[0]):
+        return None
+    placements, mesh = grads[0].placements, grads[0].device_mesh
+    if any(not is_dtensor(g) or g.placements != placements for g in grads):
+        return False
+    split = [d for d, pl in enumerate(placements) if mesh.size(d) > 1 and not isinstance(pl, Replicate)]
+    if not split:
+        return None
+    if len(split) > 1 or not isinstance(placements[split[0]], Shard):
+        return False
+    return mesh.get_group(split[0])
 
 
 def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
