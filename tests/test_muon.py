@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.gloo_ranks import fork_gloo_ranks
 from harness.parity import PARITY_STEPS, SAVE_EVERY, assert_matches
 from omegaconf import OmegaConf
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -166,62 +167,49 @@ SPLITS = [((63, 48), Shard(0)), ((48, 64), Shard(1)), ((64, 32), _StridedShard(0
           ((96, 40), Shard(0)), ((1, 40), Shard(0)), ((4, 24, 16), Shard(0)), ((4, 24, 16), Shard(2))]
 
 
-def _update_on_two_ranks(rank: int, port: int) -> None:
+def _update_on_two_ranks(rank: int) -> None:
     """One Muon over every split steps as one process does on the whole tensors, bit for bit, and
     each rank runs Newton–Schulz only on its share of the split matrices."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallel3d.optim import muon as muon_module
     from parallel3d.optim.orthogonalise import owners
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, eps=1e-7, ns_steps=5,
-                        ns_coefficients=(3.4445, -4.775, 2.0315), adjust_lr_fn="original")
-        g = torch.Generator().manual_seed(0)
-        weights = [torch.randn(shape, generator=g) for shape, _ in SPLITS]
-        grads = [[torch.randn(shape, generator=g) for shape, _ in SPLITS] for _ in range(2)]
-        whole = [torch.nn.Parameter(w.clone()) for w in weights]
-        split = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [pl])) for w, (_, pl) in zip(weights, SPLITS)]
-        one, two = Muon(whole, **settings), Muon(split, **settings)
-        calls, orthogonalise = [], muon_module.newton_schulz
+    mesh = init_device_mesh("cpu", (2,))
+    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, eps=1e-7, ns_steps=5,
+                    ns_coefficients=(3.4445, -4.775, 2.0315), adjust_lr_fn="original")
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=g) for shape, _ in SPLITS]
+    grads = [[torch.randn(shape, generator=g) for shape, _ in SPLITS] for _ in range(2)]
+    whole = [torch.nn.Parameter(w.clone()) for w in weights]
+    split = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [pl])) for w, (_, pl) in zip(weights, SPLITS)]
+    one, two = Muon(whole, **settings), Muon(split, **settings)
+    calls, orthogonalise = [], muon_module.newton_schulz
 
-        def counted(matrix: torch.Tensor, *args) -> torch.Tensor:
-            calls.append(tuple(matrix.shape))
-            return orthogonalise(matrix, *args)
+    def counted(matrix: torch.Tensor, *args) -> torch.Tensor:
+        calls.append(tuple(matrix.shape))
+        return orthogonalise(matrix, *args)
 
-        muon_module.newton_schulz = counted  # this forked process's own copy of the module
-        for step_grads in grads:
-            for w, s, grad, (_, pl) in zip(whole, split, step_grads, SPLITS):
-                w.grad, s.grad = grad.clone(), distribute_tensor(grad.clone(), mesh, [pl])
-            one.step()
-            calls.clear()
-            two.step()
-        for s, w, (shape, pl) in zip(split, whole, SPLITS):
-            assert torch.equal(s.full_tensor(), w.detach()), (shape, pl)
-        shared = [shape[-2:] for shape, pl in SPLITS for _ in range(shape[0] if len(shape) == 3 else 1)
-                  if pl.dim >= len(shape) - 2]  # matrices in pieces: each orthogonalised by its owner
-        mine = sorted(s for s, owner in zip(shared, owners(shared, 2)) if owner == rank)
-        local = [shape[-2:] for shape, pl in SPLITS if len(shape) == 3 and pl.dim == 0 for _ in range(shape[0] // 2)]
-        assert sorted(calls) == sorted([*mine, *local]) and 0 < len(mine) < len(shared), (rank, calls)
-    finally:
-        dist.destroy_process_group()
+    muon_module.newton_schulz = counted  # this forked process's own copy of the module
+    for step_grads in grads:
+        for w, s, grad, (_, pl) in zip(whole, split, step_grads, SPLITS):
+            w.grad, s.grad = grad.clone(), distribute_tensor(grad.clone(), mesh, [pl])
+        one.step()
+        calls.clear()
+        two.step()
+    for s, w, (shape, pl) in zip(split, whole, SPLITS):
+        assert torch.equal(s.full_tensor(), w.detach()), (shape, pl)
+    shared = [shape[-2:] for shape, pl in SPLITS for _ in range(shape[0] if len(shape) == 3 else 1)
+              if pl.dim >= len(shape) - 2]  # matrices in pieces: each orthogonalised by its owner
+    mine = sorted(s for s, owner in zip(shared, owners(shared, 2)) if owner == rank)
+    local = [shape[-2:] for shape, pl in SPLITS if len(shape) == 3 and pl.dim == 0 for _ in range(shape[0] // 2)]
+    assert sorted(calls) == sorted([*mine, *local]) and 0 < len(mine) < len(shared), (rank, calls)
 
 
 @pytest.mark.multirank
 def test_a_split_matrix_gets_the_update_of_the_whole():
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # Forked, not spawned: the ranks start from this process's imports instead of importing torch again.
-    mp.start_processes(_update_on_two_ranks, args=(port,), nprocs=2, start_method="fork")
+    fork_gloo_ranks(_update_on_two_ranks)
 
 
 @pytest.mark.parametrize("world, overrides", [

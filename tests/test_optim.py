@@ -8,6 +8,7 @@ from functools import partial
 
 import pytest
 import torch
+from harness.gloo_ranks import fork_gloo_ranks
 from torch import nn
 
 from parallel3d.config.schema import OptimConfig
@@ -171,46 +172,34 @@ def test_clip_grad_norm_accepts_a_generator_like_torch():
     torch.testing.assert_close(model.weight.grad, torch.tensor([[0.6, 0.8]]))
 
 
-def _clip_on_two_ranks(rank: int, port: int) -> None:
-    import torch.distributed as dist
+def _clip_on_two_ranks(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from parallel3d.optim.clip import _split_group
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        generator = torch.Generator().manual_seed(0)
-        whole = [torch.randn(shape, generator=generator) for shape in [(6, 4), (5,), (3, 3)]]  # 5, 3: uneven
-        exact = torch.linalg.vector_norm(torch.cat([w.flatten() for w in whole]).double()).item()
-        # FSDP's layout (every gradient split alike: this rank's shards, one all-reduce), then a
-        # mixed one (DTensor reduces it)
-        for placements, group in [([Shard(0)] * 3, mesh.get_group(0)), ([Shard(0), Replicate(), Shard(1)], False)]:
-            params = []
-            for w, placement in zip(whole, placements):
-                p = nn.Parameter(distribute_tensor(torch.zeros_like(w), mesh, [placement]))
-                p.grad = distribute_tensor(w.clone(), mesh, [placement])
-                params.append(p)
-            assert _split_group([p.grad for p in params]) is group
-            norm = clip_grad_norm_(params, max_norm=1.0)
-            assert norm.item() == pytest.approx(exact, rel=1e-12), placements
-            for p, w in zip(params, whole):
-                torch.testing.assert_close(p.grad.full_tensor(), w / exact, rtol=1e-5, atol=1e-7)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,))
+    generator = torch.Generator().manual_seed(0)
+    whole = [torch.randn(shape, generator=generator) for shape in [(6, 4), (5,), (3, 3)]]  # 5, 3: uneven
+    exact = torch.linalg.vector_norm(torch.cat([w.flatten() for w in whole]).double()).item()
+    # FSDP's layout (every gradient split alike: this rank's shards, one all-reduce), then a mixed
+    # one (DTensor reduces it)
+    for placements, group in [([Shard(0)] * 3, mesh.get_group(0)), ([Shard(0), Replicate(), Shard(1)], False)]:
+        params = []
+        for w, placement in zip(whole, placements):
+            p = nn.Parameter(distribute_tensor(torch.zeros_like(w), mesh, [placement]))
+            p.grad = distribute_tensor(w.clone(), mesh, [placement])
+            params.append(p)
+        assert _split_group([p.grad for p in params]) is group
+        norm = clip_grad_norm_(params, max_norm=1.0)
+        assert norm.item() == pytest.approx(exact, rel=1e-12), placements
+        for p, w in zip(params, whole):
+            torch.testing.assert_close(p.grad.full_tensor(), w / exact, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.multirank
 def test_clip_grad_norm_of_sharded_gradients_is_the_whole_norm():
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_clip_on_two_ranks, args=(port,), nprocs=2, start_method="fork")
+    fork_gloo_ranks(_clip_on_two_ranks)
 
 
 def _tiny_net() -> nn.Module:

@@ -7,6 +7,7 @@
 - ``tolerance``: parity tolerances derived from the one-process run's own sensitivity.
 - ``layout_batch``: the script a batched launch runs on every rank.
 - ``process_guard``: ``-m "not multirank"`` starts no ranks.
+- ``gloo_ranks``: forked gloo ranks for a test of one function that runs collectives.
 - ``inventory``: tests/CLAIMS.md against the collected suite.
 - ``chat_files``, ``data_files``, ``hf_files``: the files tests train on; ``virtual_cluster``: nodes
   as network namespaces, and a SLURM cluster on them.
